@@ -1,0 +1,107 @@
+// The Communicator interface every strategy talks to, and its per-operation byte counters.
+// Buffers are opaque pointers: a backend decides where they live (MPI: host memory; NCCL:
+// device memory), so nothing here assumes host memory. Collectives know nothing of attention.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/dtype.h"
+
+namespace dattn {
+
+enum class ReduceOp : uint8_t { sum, max, min };
+
+// Bytes this rank sent, per operation name ("send", "allreduce", ...). For a collective the
+// count is the payload this rank contributes (see each method), not the backend's algorithm
+// traffic, so that tests can state a strategy's model exactly.
+struct ByteCounters {
+  struct Entry {
+    uint64_t calls = 0;
+    uint64_t bytes = 0;
+  };
+  std::map<std::string, Entry> ops;
+
+  void add(const std::string& op, uint64_t bytes) {
+    auto& e = ops[op];
+    e.calls += 1;
+    e.bytes += bytes;
+  }
+  uint64_t bytes(const std::string& op) const {
+    auto it = ops.find(op);
+    return it == ops.end() ? 0 : it->second.bytes;
+  }
+  uint64_t total_bytes() const {
+    uint64_t t = 0;
+    for (const auto& [name, e] : ops)
+      t += e.bytes;
+    return t;
+  }
+};
+
+// A pending non-blocking operation; complete it with Communicator::wait.
+class Request {
+ public:
+  virtual ~Request() = default;
+};
+using RequestPtr = std::unique_ptr<Request>;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // The backend's name for headers and errors: "mpi", "nccl".
+  virtual std::string backend() const = 0;
+
+  // Point-to-point. Counted as "send": bytes.
+  virtual RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) = 0;
+  virtual RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) = 0;
+  virtual void wait(RequestPtr& request) = 0;  // completes and releases; null is a no-op
+  void wait_all(std::vector<RequestPtr>& requests) {
+    for (auto& r : requests)
+      wait(r);
+    requests.clear();
+  }
+  // Counted as "send": send_bytes.
+  virtual void sendrecv(const void* send_buf, size_t send_bytes, int dest, void* recv_buf,
+                        size_t recv_bytes, int src, int tag) = 0;
+
+  // Collectives. send == recv means in place where the method allows it.
+  // "allreduce": count * dtype_size.
+  virtual void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) = 0;
+  // Integer allreduce for control data (flags, hashes); counted as "allreduce".
+  virtual void allreduce_u64(const uint64_t* send, uint64_t* recv, size_t count, ReduceOp op) = 0;
+  // "reduce": count * dtype_size on every rank (the root's contribution included).
+  virtual void reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                      int root) = 0;
+  // recv holds size() blocks of bytes_per_rank; "allgather": bytes_per_rank.
+  virtual void allgather(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  // Variable sizes: recv_bytes[r] from rank r, placed back to back; "allgather": own bytes.
+  virtual void allgatherv(const void* send, size_t send_bytes, void* recv,
+                          const std::vector<size_t>& recv_bytes) = 0;
+  // "broadcast": bytes on the root, 0 elsewhere.
+  virtual void broadcast(void* buf, size_t bytes, int root) = 0;
+  // send holds size() blocks of bytes_per_rank, block r for rank r;
+  // "alltoall": (size() - 1) * bytes_per_rank (the block a rank keeps is not sent).
+  virtual void alltoall(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  virtual void barrier() = 0;
+
+  // Sub-groups: ranks with the same color form a new communicator, ordered by key.
+  virtual std::unique_ptr<Communicator> split(int color, int key) const = 0;
+  // The ranks that share this node (MPI_Comm_split_type SHARED), ordered by rank.
+  virtual std::unique_ptr<Communicator> split_node() const = 0;
+
+  const ByteCounters& counters() const { return counters_; }
+  void reset_counters() { counters_ = {}; }
+
+ protected:
+  ByteCounters counters_;
+};
+
+}  // namespace dattn

@@ -1,0 +1,229 @@
+// The CPU attention kernel: for each (batch, query head, query tile) an online-softmax pass
+// over the key tiles, with S = Q K^T and O += P V as BLAS sgemm calls on the tiles, then one
+// merge of the tile's partial into the running partial (kernels/merge.h).
+#include "kernels/cpu/attention_cpu.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "kernels/merge.h"
+#include "src/error.h"
+
+namespace dattn::cpu {
+
+namespace {
+
+// ---------------------------------------------------------------- vector math
+// Hot loops are cloned per ISA and picked at load time, so one binary runs on any x86-64 and
+// still uses AVX-512 where it exists. exp() from libm does not vectorise; this one does and is
+// accurate to ~2 ulp on the range that occurs here (arguments <= 0).
+
+#if defined(__x86_64__) && !defined(__clang__)
+#define DATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DATTN_CLONES
+#endif
+
+// exp(x) for x <= 0 (x = -inf gives exactly 0). Range reduction x = n ln2 + f, |f| <= ln2/2,
+// then a degree-6 polynomial for exp(f) and 2^n from the exponent bits.
+inline float exp_nonpositive(float x) {
+  const float log2e = 1.44269504088896341f;
+  const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+  float xc = std::max(x, -87.0f);
+  float n = std::floor(xc * log2e + 0.5f);
+  float f = xc - n * ln2_hi - n * ln2_lo;
+  float p = 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.f : p * scale;
+}
+
+// Row maximum (-inf for an all -inf row).
+DATTN_CLONES float row_max(const float* x, int64_t n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i)
+    m = std::max(m, x[i]);
+  return m;
+}
+
+// x[i] = exp(x[i] - m) in place; returns the sum. m is finite.
+DATTN_CLONES float exp_shift_sum(float* x, int64_t n, float m) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) {
+    float e = exp_nonpositive(x[i] - m);
+    x[i] = e;
+    s += e;
+  }
+  return s;
+}
+
+DATTN_CLONES void scale_row(float* x, int64_t n, float c) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    x[i] *= c;
+}
+
+// ---------------------------------------------------------------- workspace
+// Per-thread tile buffers, allocated once per kernel call: O(tile), independent of S.
+struct Workspace {
+  std::unique_ptr<float[], void (*)(void*)> mem{nullptr, std::free};
+  float* q = nullptr;  // [kTileQ, D]   converted queries (16-bit inputs only)
+  float* k = nullptr;  // [kTileK, D]   converted keys
+  float* v = nullptr;  // [kTileK, Dv]  converted values
+  float* s = nullptr;  // [kTileQ, kTileK] scores, then probabilities
+  float* o = nullptr;  // [kTileQ, Dv]  unnormalised output accumulator
+  float* m = nullptr;  // [kTileQ]      running row max
+  float* l = nullptr;  // [kTileQ]      running row sum
+
+  Workspace(int64_t d, int64_t dv) {
+    int64_t sizes[] = {kTileQ * d,  kTileK * d, kTileK * dv, kTileQ * kTileK,
+                       kTileQ * dv, kTileQ,     kTileQ};
+    int64_t total = 0;
+    for (int64_t sz : sizes)
+      total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
+    mem.reset(static_cast<float*>(std::aligned_alloc(64, size_t(total) * sizeof(float))));
+    if (!mem) DATTN_THROW("out of host memory allocating the attention workspace");
+    float* p = mem.get();
+    float** slots[] = {&q, &k, &v, &s, &o, &m, &l};
+    for (int i = 0; i < 7; ++i) {
+      *slots[i] = p;
+      p += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+};
+
+// Rows [row0, row0 + rows) of head h of a bshd tensor as an fp32 matrix with leading
+// dimension *ld: the tensor itself for fp32 (no copy), else converted into buf.
+const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int64_t heads,
+                      int64_t h, int64_t dim, int64_t row0, int64_t rows, float* buf, int64_t* ld) {
+  int64_t offset = ((b * seq + row0) * heads + h) * dim;
+  if (dtype == DType::f32) {
+    *ld = heads * dim;
+    return static_cast<const float*>(base) + offset;
+  }
+  const char* src = static_cast<const char*>(base) + offset * 2;
+  for (int64_t r = 0; r < rows; ++r)
+    convert_to_f32(src + r * heads * dim * 2, dtype, buf + r * dim, size_t(dim));
+  *ld = dim;
+  return buf;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the kernel
+void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
+  const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
+  const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
+  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
+  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
+  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
+  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
+  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
+  if (B == 0 || q_len <= 0 || k_len <= 0) return;
+  const int64_t group = Hq / Hkv;
+  const int64_t q_tiles = (q_len + kTileQ - 1) / kTileQ;
+  const Mask mask = blk.mask;
+  auto q_pos = [&](int64_t i) { return blk.q_pos0 + i * blk.q_pos_stride; };  // i: block row
+  auto k_pos = [&](int64_t j) { return blk.k_pos0 + j * blk.k_pos_stride; };
+
+  // Whole block hidden by the mask: nothing to do (ring steps in the future land here).
+  if (mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)
+    return;
+
+  // Each thread runs single-threaded BLAS on its own tiles.
+  openblas_set_num_threads(1);
+
+#pragma omp parallel
+  {
+    Workspace ws(D, Dv);
+#pragma omp for collapse(3) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < Hq; ++h) {
+        for (int64_t qt = 0; qt < q_tiles; ++qt) {
+          const int64_t hk = h / group;
+          const int64_t i0 = qt * kTileQ;  // block row of the tile's first query
+          const int64_t bq = std::min(kTileQ, q_len - i0);
+          int64_t ldq;
+          const float* Q =
+              tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + i0, bq, ws.q, &ldq);
+          std::fill(ws.m, ws.m + bq, -INFINITY);
+          std::fill(ws.l, ws.l + bq, 0.f);
+          std::fill(ws.o, ws.o + bq * Dv, 0.f);
+          const int64_t qlo = std::min(q_pos(i0), q_pos(i0 + bq - 1));
+          const int64_t qhi = std::max(q_pos(i0), q_pos(i0 + bq - 1));
+
+          for (int64_t j0 = 0; j0 < k_len; j0 += kTileK) {
+            const int64_t bk = std::min(kTileK, k_len - j0);
+            const int64_t klo = std::min(k_pos(j0), k_pos(j0 + bk - 1));
+            const int64_t khi = std::max(k_pos(j0), k_pos(j0 + bk - 1));
+            const Mask::Cover cover = mask.cover(qlo, qhi, klo, khi);
+            if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
+            int64_t ldk, ldv;
+            const float* K = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0,
+                                      bk, ws.k, &ldk);
+            const float* V = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + j0,
+                                      bk, ws.v, &ldv);
+            // S = scale * Q K^T  [bq, bk]
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(D),
+                        blk.scale, Q, int(ldq), K, int(ldk), 0.f, ws.s, int(bk));
+            bool any_row = false;
+            for (int64_t i = 0; i < bq; ++i) {
+              float* srow = ws.s + i * bk;
+              if (cover == Mask::Cover::some) {
+                const int64_t qp = q_pos(i0 + i);
+                for (int64_t j = 0; j < bk; ++j)
+                  if (!mask.visible(qp, k_pos(j0 + j))) srow[j] = -INFINITY;
+              }
+              const float m_new = std::max(ws.m[i], row_max(srow, bk));
+              if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
+                std::fill(srow, srow + bk, 0.f);
+                continue;
+              }
+              any_row = true;
+              const float row_sum = exp_shift_sum(srow, bk, m_new);
+              if (m_new != ws.m[i]) {  // rescale the running state to the new max
+                const float alpha = ws.m[i] == -INFINITY ? 0.f : std::exp(ws.m[i] - m_new);
+                ws.l[i] *= alpha;
+                scale_row(ws.o + i * Dv, Dv, alpha);
+                ws.m[i] = m_new;
+              }
+              ws.l[i] += row_sum;
+            }
+            if (!any_row) continue;
+            // O += P V  [bq, Dv]
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(Dv), int(bk), 1.f,
+                        ws.s, int(bk), V, int(ldv), 1.f, ws.o, int(Dv));
+          }
+
+          // Normalise the tile's partial and merge it into the running partial.
+          for (int64_t i = 0; i < bq; ++i) {
+            if (ws.l[i] == 0.f) continue;  // saw no key: empty partial, identity of the merge
+            float* orow = ws.o + i * Dv;
+            scale_row(orow, Dv, 1.f / ws.l[i]);
+            const int64_t row = blk.q_begin + i0 + i;
+            merge_row(out + ((b * blk.seq_q + row) * Hq + h) * Dv,
+                      lse + (b * Hq + h) * blk.seq_q + row, orow, ws.m[i] + std::log(ws.l[i]), Dv);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dattn::cpu

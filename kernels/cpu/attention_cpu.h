@@ -1,0 +1,46 @@
+// The CPU attention kernel: blockwise online-softmax attention (the flash-attention algorithm)
+// of a block of queries against a block of keys, merged into a running partial.
+// It knows nothing of ranks: a strategy calls it once per (query block, key block) pair.
+#pragma once
+
+#include <cstdint>
+
+#include "src/dtype.h"
+#include "src/spec.h"
+
+namespace dattn::cpu {
+
+// One block of work. Tensors are bshd and contiguous:
+//   q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_kv, head_dim],
+//   v [batch, seq_k, heads_kv, head_dim_v], all of one storage dtype.
+// The block uses query rows [q_begin, q_begin + q_len) and key rows [k_begin, k_begin + k_len)
+// (q_len/k_len < 0: to the end). Query row q_begin + i sits at global position
+// q_pos0 + i * q_pos_stride, key row k_begin + j at k_pos0 + j * k_pos_stride; the mask is
+// evaluated on those positions (stride 1: a contiguous run of tokens).
+struct AttentionBlock {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType dtype = DType::f32;
+  int64_t batch = 0, seq_q = 0, seq_k = 0;
+  int64_t heads_q = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
+  int64_t q_begin = 0, q_len = -1, q_pos0 = 0, q_pos_stride = 1;
+  int64_t k_begin = 0, k_len = -1, k_pos0 = 0, k_pos_stride = 1;
+  float scale = 1.f;
+  Mask mask;
+};
+
+// Attends blk's query rows to its key rows and merges the result into the running partial
+// out [batch, seq_q, heads_q, head_dim_v] fp32 and lse [batch, heads_q, seq_q] fp32 (the whole
+// q tensor's rows; only the block's rows change)
+// (start from clear_partial). Key tiles that the mask hides entirely are skipped, never
+// computed; rows that see no key leave the partial unchanged (an empty partial stays out = 0,
+// lse = -inf). Workspace is O(tile) per thread; S_q x S_k is never materialised.
+// Parallel (OpenMP) over batch x head x query tile; BLAS runs single-threaded inside.
+void attention_forward(const AttentionBlock& blk, float* out, float* lse);
+
+// Query and key tile sizes (rows), exposed for tests that want shapes straddling tiles.
+inline constexpr int64_t kTileQ = 128;
+inline constexpr int64_t kTileK = 256;
+
+}  // namespace dattn::cpu

@@ -1,0 +1,23 @@
+// The float64 reference: plain attention over whole tensors in one process, the yardstick for
+// every test and for the benchmarks' --check. Slow and simple on purpose.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "src/spec.h"
+#include "src/tensor.h"
+
+namespace dattn::cpu {
+
+struct ReferenceResult {
+  std::vector<double> out;  // [B, S_q, H_q, D_v]
+  std::vector<double> lse;  // [B, H_q, S_q]; -inf for a row that sees no key (out row = 0)
+};
+
+// q [B, S_q, H_q, D], k [B, S_k, H_kv, D], v [B, S_k, H_kv, D_v] of any storage dtype (read as
+// the stored values); q at global positions q_pos0.., k at k_pos0...
+ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttnSpec& spec, int64_t q_pos0 = 0, int64_t k_pos0 = 0);
+
+}  // namespace dattn::cpu

@@ -1,0 +1,158 @@
+// The attention entry points: validation agreed by all ranks, then the chosen schedule.
+// Also the helpers every schedule shares: an empty partial, and attending q's runs to a block.
+#include "src/attention.h"
+
+#include <cstring>
+
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/merge.h"
+#include "src/error.h"
+#include "src/strategies/strategies.h"
+#include "src/validate.h"
+
+namespace dattn {
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::ring:
+      return "ring";
+  }
+  return "?";
+}
+
+Strategy parse_strategy(const std::string& name) {
+  if (name == "ring") return Strategy::ring;
+  DATTN_THROW("invalid strategy = '", name, "': expected ring");
+}
+
+Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
+  const int64_t B = q.size(0), S = q.size(1);
+  Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32),
+            Tensor::empty({B, spec.heads_q, S}, DType::f32)};
+  clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), B, S, spec.heads_q, spec.dim_v());
+  return p;
+}
+
+namespace {
+// The kernel arguments shared by every block of one call: tensors, shapes, scale and mask.
+cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
+                               const AttnSpec& spec) {
+  cpu::AttentionBlock blk;
+  blk.q = q.data();
+  blk.k = k;
+  blk.v = v;
+  blk.dtype = q.dtype();
+  blk.batch = q.size(0);
+  blk.seq_q = q.size(1);
+  blk.seq_k = k_rows;
+  blk.heads_q = spec.heads_q;
+  blk.heads_kv = spec.heads_kv;
+  blk.head_dim = spec.head_dim;
+  blk.head_dim_v = spec.dim_v();
+  blk.scale = spec.scale();
+  blk.mask = spec.mask;
+  return blk;
+}
+}  // namespace
+
+void attend_runs(const Tensor& q, const void* k, const void* v, int64_t k_rows,
+                 const AttnSpec& spec, const Layout& layout, int q_rank, int k_rank, Partial& res) {
+  cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
+  for (const Run& qr : layout.runs(q_rank)) {
+    for (const Run& kr : layout.runs(k_rank)) {
+      blk.q_begin = qr.local_begin;
+      blk.q_len = qr.length;
+      blk.q_pos0 = qr.global_begin;
+      blk.q_pos_stride = qr.stride;
+      blk.k_begin = kr.local_begin;
+      blk.k_len = kr.length;
+      blk.k_pos0 = kr.global_begin;
+      blk.k_pos_stride = kr.stride;
+      cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+    }
+  }
+}
+
+namespace {
+
+// Shape and dtype checks of q, k, v against the spec (local: each rank checks its own).
+void check_tensors(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec) {
+  spec.validate();
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    DATTN_CHECK_ARG(t->dim() == 4, detail::cat(name, " rank"), t->dim(),
+                    "4 dimensions [batch, seq, heads, head_dim]");
+    DATTN_CHECK_ARG(t->device().is_cpu(), detail::cat(name, " device"), t->device().str(),
+                    "cpu (the CUDA backend is not built yet)");
+    DATTN_CHECK_ARG(t->dtype() == q.dtype(), detail::cat(name, " dtype"), dtype_name(t->dtype()),
+                    detail::cat(dtype_name(q.dtype()), " (the dtype of q)"));
+    DATTN_CHECK_ARG(t->size(0) == q.size(0), detail::cat(name, " batch"), t->size(0),
+                    detail::cat(q.size(0), " (the batch of q)"));
+    DATTN_CHECK_ARG(t->data() != nullptr || t->numel() == 0, detail::cat(name, " data"), "nullptr",
+                    "a valid pointer");
+  }
+  DATTN_CHECK_ARG(q.size(0) > 0, "batch", q.size(0), "> 0");
+  DATTN_CHECK_ARG(q.size(2) == spec.heads_q, "q heads", q.size(2),
+                  detail::cat(spec.heads_q, " (spec.heads_q)"));
+  DATTN_CHECK_ARG(q.size(3) == spec.head_dim, "q head_dim", q.size(3),
+                  detail::cat(spec.head_dim, " (spec.head_dim)"));
+  DATTN_CHECK_ARG(k.size(2) == spec.heads_kv, "k heads", k.size(2),
+                  detail::cat(spec.heads_kv, " (spec.heads_kv)"));
+  DATTN_CHECK_ARG(k.size(3) == spec.head_dim, "k head_dim", k.size(3),
+                  detail::cat(spec.head_dim, " (spec.head_dim)"));
+  DATTN_CHECK_ARG(v.size(2) == spec.heads_kv, "v heads", v.size(2),
+                  detail::cat(spec.heads_kv, " (spec.heads_kv)"));
+  DATTN_CHECK_ARG(v.size(3) == spec.dim_v(), "v head_dim", v.size(3),
+                  detail::cat(spec.dim_v(), " (spec.head_dim_v)"));
+  DATTN_CHECK_ARG(v.size(1) == k.size(1), "v seq", v.size(1),
+                  detail::cat(k.size(1), " (the seq of k)"));
+}
+
+uint64_t config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy, DType dtype,
+                     int64_t batch) {
+  uint32_t scale_bits;
+  float scale = spec.scale();
+  std::memcpy(&scale_bits, &scale, 4);
+  uint64_t h = kHashSeed;
+  for (uint64_t x : {uint64_t(spec.heads_q), uint64_t(spec.heads_kv), uint64_t(spec.head_dim),
+                     uint64_t(spec.dim_v()), uint64_t(scale_bits), uint64_t(spec.mask.kind),
+                     layout.hash(), uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})
+    h = hash_mix(h, x);
+  return h;
+}
+
+}  // namespace
+
+Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const AttnSpec& spec, const Layout& layout, Strategy strategy) {
+  Communicator& comm = rt.cp();
+  const uint64_t hash = config_hash(spec, layout, strategy, q.dtype(), q.size(0));
+  agree_on_validation(comm, "attention call", hash, [&] {
+    check_tensors(q, k, v, spec);
+    DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),
+                    detail::cat(comm.size(), " (the context-parallel ranks)"));
+    DATTN_CHECK_ARG(layout.global_seq() > 0, "global_seq", layout.global_seq(), "> 0");
+    const int64_t local = layout.local_len(comm.rank());
+    DATTN_CHECK_ARG(q.size(1) == local, "q seq", q.size(1),
+                    detail::cat(local, " (this rank's length under ", layout.str(), ")"));
+    DATTN_CHECK_ARG(k.size(1) == local, "k seq", k.size(1),
+                    detail::cat(local, " (this rank's length under ", layout.str(), ")"));
+  });
+  switch (strategy) {
+    case Strategy::ring:
+      return ring_attention_forward(comm, q, k, v, spec, layout);
+  }
+  DATTN_THROW("invalid strategy = ", int(strategy), ": expected ring");
+}
+
+Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
+                        int64_t q_pos0, int64_t k_pos0) {
+  check_tensors(q, k, v, spec);
+  Partial res = empty_partial(q, spec);
+  cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), k.size(1), spec);
+  blk.q_pos0 = q_pos0;
+  blk.k_pos0 = k_pos0;
+  cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+  return res;
+}
+
+}  // namespace dattn

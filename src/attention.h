@@ -1,0 +1,38 @@
+// The public attention API: one entry point per workload over the same Runtime.
+//   dattn::Partial r = dattn::attention(rt, q, k, v, spec, layout, dattn::Strategy::ring);
+// q, k, v are this rank's shards (bshd) under `layout`; the result is this rank's shard of
+// out [B, S_local, H_q, D_v] and lse [B, H_q, S_local], both fp32.
+#pragma once
+
+#include <string>
+
+#include "src/layout.h"
+#include "src/runtime.h"
+#include "src/spec.h"
+#include "src/tensor.h"
+
+namespace dattn {
+
+enum class Strategy : uint8_t { ring = 0 };
+const char* strategy_name(Strategy s);
+Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming the value
+
+// A partial attention result: out fp32 bshd, lse fp32 [B, H, S] (natural log; -inf for a row
+// that saw no key, whose out is 0).
+struct Partial {
+  Tensor out;
+  Tensor lse;
+};
+
+// Distributed attention forward. Collective over rt.cp(): every rank calls it with the same
+// spec, layout, strategy, batch and dtype. Bad input throws dattn::Error on every rank (the
+// ranks agree on validation before any data moves), naming the parameter and the rank.
+Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const AttnSpec& spec, const Layout& layout, Strategy strategy = Strategy::ring);
+
+// Attention of one process over whole tensors (no communication): q at global positions
+// q_pos0.., k/v at k_pos0...
+Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
+                        int64_t q_pos0 = 0, int64_t k_pos0 = 0);
+
+}  // namespace dattn

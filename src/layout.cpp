@@ -1,0 +1,164 @@
+// Layouts: the runs each rank holds, visibility between shards, dispatch and undispatch.
+#include "src/layout.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "collective/communicator.h"
+#include "src/error.h"
+
+namespace dattn {
+
+Layout Layout::contiguous(int64_t global_seq, int ranks) {
+  DATTN_CHECK_ARG(ranks > 0, "layout ranks", ranks, "> 0");
+  DATTN_CHECK_ARG(global_seq >= 0, "global_seq", global_seq, ">= 0");
+  Layout l;
+  l.kind_ = Kind::contiguous;
+  l.ranks_ = ranks;
+  l.global_seq_ = global_seq;
+  l.runs_.resize(size_t(ranks));
+  const int64_t base = global_seq / ranks, extra = global_seq % ranks;
+  int64_t start = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t len = base + (r < extra ? 1 : 0);
+    l.runs_[size_t(r)].push_back(Run{0, start, 1, len});
+    start += len;
+  }
+  return l;
+}
+
+int64_t Layout::local_len(int rank) const {
+  DATTN_CHECK_ARG(rank >= 0 && rank < ranks_, "rank", rank, detail::cat("0 to ", ranks_ - 1));
+  int64_t n = 0;
+  for (const Run& run : runs_[size_t(rank)])
+    n += run.length;
+  return n;
+}
+
+int64_t Layout::max_local_len() const {
+  int64_t m = 0;
+  for (int r = 0; r < ranks_; ++r)
+    m = std::max(m, local_len(r));
+  return m;
+}
+
+int64_t Layout::global_position(int rank, int64_t local_index) const {
+  for (const Run& run : runs(rank)) {
+    if (local_index >= run.local_begin && local_index < run.local_begin + run.length)
+      return run.global_begin + (local_index - run.local_begin) * run.stride;
+  }
+  DATTN_THROW("invalid local_index = ", local_index, ": expected 0 to ", local_len(rank) - 1,
+              " on rank ", rank, " of ", str());
+}
+
+bool Layout::any_visible(const Mask& mask, int q_rank, int k_rank) const {
+  for (const Run& q : runs(q_rank)) {
+    for (const Run& k : runs(k_rank)) {
+      if (q.length == 0 || k.length == 0) continue;
+      const int64_t q_last = q.global_begin + (q.length - 1) * q.stride;
+      const int64_t k_last = k.global_begin + (k.length - 1) * k.stride;
+      if (mask.cover(q.global_begin, q_last, k.global_begin, k_last) != Mask::Cover::none)
+        return true;
+    }
+  }
+  return false;
+}
+
+namespace {
+// Bytes of one sequence position of a bshd tensor.
+size_t row_bytes(const Tensor& t) {
+  size_t n = dtype_size(t.dtype());
+  for (int d = 2; d < t.dim(); ++d)
+    n *= size_t(t.size(d));
+  return n;
+}
+
+// Copies rows between a global tensor and a shard following the runs (to_shard: global ->
+// shard, else shard -> global).
+void copy_runs(const std::vector<Run>& runs, char* global, int64_t global_seq, char* shard,
+               int64_t shard_seq, int64_t batch, size_t row, bool to_shard) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (const Run& run : runs) {
+      for (int64_t t = 0; t < run.length; ++t) {
+        char* g = global + size_t(b * global_seq + run.global_begin + t * run.stride) * row;
+        char* s = shard + size_t(b * shard_seq + run.local_begin + t) * row;
+        if (to_shard)
+          std::memcpy(s, g, row);
+        else
+          std::memcpy(g, s, row);
+      }
+    }
+  }
+}
+}  // namespace
+
+Tensor Layout::dispatch(const Tensor& global, int rank) const {
+  DATTN_CHECK_ARG(global.dim() >= 2, "global tensor rank", global.dim(), ">= 2 (bshd)");
+  DATTN_CHECK_ARG(global.size(1) == global_seq_, "global tensor sequence length", global.size(1),
+                  detail::cat(global_seq_, " (the layout's global_seq)"));
+  const int64_t len = local_len(rank);
+  Tensor shard;
+  switch (global.dim()) {
+    case 2:
+      shard = Tensor::empty({global.size(0), len}, global.dtype());
+      break;
+    case 3:
+      shard = Tensor::empty({global.size(0), len, global.size(2)}, global.dtype());
+      break;
+    default:
+      shard = Tensor::empty({global.size(0), len, global.size(2), global.size(3)}, global.dtype());
+  }
+  copy_runs(runs(rank), static_cast<char*>(global.data()), global_seq_,
+            static_cast<char*>(shard.data()), len, global.size(0), row_bytes(global), true);
+  return shard;
+}
+
+Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
+  DATTN_CHECK_ARG(comm.size() == ranks_, "communicator size", comm.size(),
+                  detail::cat(ranks_, " (the layout's ranks)"));
+  DATTN_CHECK_ARG(shard.dim() >= 2, "shard tensor rank", shard.dim(), ">= 2 (bshd)");
+  const int me = comm.rank();
+  DATTN_CHECK_ARG(shard.size(1) == local_len(me), "shard sequence length", shard.size(1),
+                  detail::cat(local_len(me), " (the layout's local length on rank ", me, ")"));
+  const int64_t B = shard.size(0);
+  const size_t row = row_bytes(shard);
+  std::vector<size_t> counts(static_cast<size_t>(ranks_));
+  size_t total = 0;
+  for (int r = 0; r < ranks_; ++r)
+    total += counts[size_t(r)] = size_t(B * local_len(r)) * row;
+  std::vector<char> gathered(std::max<size_t>(total, 1));
+  comm.allgatherv(shard.data(), shard.nbytes(), gathered.data(), counts);
+  Tensor global;
+  switch (shard.dim()) {
+    case 2:
+      global = Tensor::empty({B, global_seq_}, shard.dtype());
+      break;
+    case 3:
+      global = Tensor::empty({B, global_seq_, shard.size(2)}, shard.dtype());
+      break;
+    default:
+      global = Tensor::empty({B, global_seq_, shard.size(2), shard.size(3)}, shard.dtype());
+  }
+  size_t offset = 0;
+  for (int r = 0; r < ranks_; ++r) {
+    copy_runs(runs(r), static_cast<char*>(global.data()), global_seq_, gathered.data() + offset,
+              local_len(r), B, row, false);
+    offset += counts[size_t(r)];
+  }
+  return global;
+}
+
+std::string Layout::str() const {
+  return detail::cat("contiguous(S=", global_seq_, ", P=", ranks_, ")");
+}
+
+uint64_t Layout::hash() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the defining fields
+  for (uint64_t x : {uint64_t(kind_), uint64_t(ranks_), uint64_t(global_seq_)}) {
+    h ^= x;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace dattn

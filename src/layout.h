@@ -1,0 +1,61 @@
+// Context-parallel layouts: which global tokens each rank holds, and the dispatch/undispatch
+// of global tensors. A rank's shard is a list of runs of tokens at evenly spaced global
+// positions, which is what the kernel takes, so every strategy works under every layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "src/spec.h"
+#include "src/tensor.h"
+
+namespace dattn {
+
+class Communicator;
+
+// `length` tokens stored at local rows [local_begin, local_begin + length) whose global
+// positions are global_begin, global_begin + stride, ...
+struct Run {
+  int64_t local_begin = 0;
+  int64_t global_begin = 0;
+  int64_t stride = 1;
+  int64_t length = 0;
+};
+
+class Layout {
+ public:
+  enum class Kind : uint8_t { contiguous = 0 };
+
+  // Rank r holds one contiguous range. When global_seq does not divide by ranks, the first
+  // global_seq % ranks ranks hold one token more: no padding, nothing truncated, and every
+  // strategy handles shards of different lengths.
+  static Layout contiguous(int64_t global_seq, int ranks);
+
+  Kind kind() const { return kind_; }
+  int ranks() const { return ranks_; }
+  int64_t global_seq() const { return global_seq_; }
+  int64_t local_len(int rank) const;
+  int64_t max_local_len() const;
+  const std::vector<Run>& runs(int rank) const { return runs_.at(size_t(rank)); }
+  int64_t global_position(int rank, int64_t local_index) const;
+
+  // Whether any query held by q_rank sees any key held by k_rank under the mask.
+  bool any_visible(const Mask& mask, int q_rank, int k_rank) const;
+
+  // This rank's shard of a global bshd tensor [B, global_seq, H, D] that the caller holds.
+  Tensor dispatch(const Tensor& global, int rank) const;
+  // Gathers every rank's bshd shard [B, local_len, H, D] into the global tensor, on every rank.
+  Tensor undispatch(Communicator& comm, const Tensor& shard) const;
+
+  std::string str() const;  // "contiguous(S=4096, P=4)"
+  uint64_t hash() const;
+
+ private:
+  Kind kind_ = Kind::contiguous;
+  int ranks_ = 1;
+  int64_t global_seq_ = 0;
+  std::vector<std::vector<Run>> runs_;
+};
+
+}  // namespace dattn

@@ -1,0 +1,58 @@
+// Runtime construction: communicators for the cp x tp grid, node-local rank count, threads.
+#include "src/runtime.h"
+
+#include <omp.h>
+
+#include <cstdlib>
+#include <thread>
+
+#include "collective/mpi_communicator.h"
+#include "src/error.h"
+#include "src/validate.h"
+
+namespace dattn {
+
+Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) DATTN_THROW("MPI is not initialised: call MPI_Init before Runtime::from_mpi");
+  Runtime rt;
+  rt.world_ = std::make_unique<MpiCommunicator>(comm);
+  set_error_rank(rt.world_->rank());
+  const int P = rt.world_->size();
+
+  uint64_t h = kHashSeed;
+  for (int64_t x : {int64_t(options.device.kind), int64_t(options.device.index),
+                    int64_t(options.cp), int64_t(options.tp)})
+    h = hash_mix(h, uint64_t(x));
+  agree_on_validation(*rt.world_, "runtime options", h, [&] {
+    DATTN_CHECK_ARG(options.device.is_cpu(), "device", options.device.str(),
+                    "cpu (the CUDA backend is not built yet)");
+    DATTN_CHECK_ARG(options.tp >= 1, "tp", options.tp, ">= 1");
+    DATTN_CHECK_ARG(options.cp >= 0, "cp", options.cp, ">= 0 (0: all ranks / tp)");
+    const int cp = options.cp == 0 ? P / options.tp : options.cp;
+    DATTN_CHECK_ARG(cp * options.tp == P, "cp x tp", detail::cat(cp, " x ", options.tp),
+                    detail::cat("the number of ranks (", P, ")"));
+    DATTN_CHECK_ARG(options.threads >= 0, "threads", options.threads, ">= 0 (0: automatic)");
+  });
+  rt.device_ = options.device;
+  rt.tp_ = options.tp;
+  // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
+  rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);
+  rt.node_ranks_ = rt.world_->split_node()->size();
+
+  // Threads: explicit, else OMP_NUM_THREADS, else the node's cores shared among its ranks
+  // (OpenMP's default of every core per rank oversubscribes the node P-fold).
+  if (options.threads > 0) {
+    rt.threads_ = options.threads;
+  } else if (std::getenv("OMP_NUM_THREADS") != nullptr) {
+    rt.threads_ = omp_get_max_threads();
+  } else {
+    const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+    rt.threads_ = std::max(1, cores / rt.node_ranks_);
+  }
+  omp_set_num_threads(rt.threads_);
+  return rt;
+}
+
+}  // namespace dattn

@@ -1,0 +1,49 @@
+// Runtime: the ranks, their communicators and the device one dattn call runs on.
+// Built once per process from an MPI communicator; every API call takes it.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+
+#include "collective/communicator.h"
+#include "src/tensor.h"
+
+namespace dattn {
+
+struct RuntimeOptions {
+  Device device = Device::cpu();
+  int cp = 0;       // context-parallel degree; 0 means all ranks / tp
+  int tp = 1;       // tensor-parallel degree (ranks form a cp x tp grid, tp fastest)
+  int threads = 0;  // OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else cores per rank
+};
+
+class Runtime {
+ public:
+  // Creates the runtime over comm (duplicated). Collective over comm. Throws dattn::Error on
+  // every rank when cp * tp != size.
+  static Runtime from_mpi(MPI_Comm comm, const RuntimeOptions& options = {});
+
+  int rank() const { return world_->rank(); }
+  int size() const { return world_->size(); }
+  int cp_rank() const { return cp_->rank(); }
+  int cp_size() const { return cp_->size(); }
+  int tp_size() const { return tp_; }
+  Communicator& world() { return *world_; }
+  Communicator& cp() { return *cp_; }
+  Device device() const { return device_; }
+  int threads() const { return threads_; }
+  int node_ranks() const { return node_ranks_; }  // ranks sharing this node
+
+ private:
+  Runtime() = default;
+  std::unique_ptr<Communicator> world_;
+  std::unique_ptr<Communicator> cp_;
+  Device device_;
+  int tp_ = 1;
+  int threads_ = 1;
+  int node_ranks_ = 1;
+};
+
+}  // namespace dattn

@@ -1,0 +1,154 @@
+// Tensor allocation, element access and slicing on the host.
+#include "src/tensor.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "src/error.h"
+
+namespace dattn {
+
+std::string Device::str() const {
+  return kind == Kind::cpu ? std::string("cpu") : "cuda:" + std::to_string(index);
+}
+
+namespace {
+// Validates a shape list and returns it padded with ones.
+std::array<int64_t, Tensor::kMaxDims> parse_shape(std::initializer_list<int64_t> shape, int& ndim) {
+  DATTN_CHECK_ARG(shape.size() >= 1 && shape.size() <= Tensor::kMaxDims, "tensor rank",
+                  shape.size(), "1 to 4 dimensions");
+  std::array<int64_t, Tensor::kMaxDims> out;
+  out.fill(1);
+  ndim = 0;
+  for (int64_t s : shape) {
+    DATTN_CHECK_ARG(s >= 0, "tensor dimension", s, "a size >= 0");
+    out[ndim++] = s;
+  }
+  return out;
+}
+}  // namespace
+
+Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DType dtype,
+                        Device device) {
+  DATTN_CHECK_ARG(device.is_cpu(), "device", device.str(), "cpu (host allocation)");
+  Tensor t;
+  t.ndim_ = ndim;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.device_ = device;
+  size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);
+  void* p = std::aligned_alloc(64, bytes);
+  if (p == nullptr) DATTN_THROW("out of host memory allocating ", t.shape_str());
+  t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  t.data_ = p;
+  return t;
+}
+
+Tensor Tensor::empty(std::initializer_list<int64_t> shape, DType dtype, Device device) {
+  int ndim = 0;
+  auto s = parse_shape(shape, ndim);
+  return allocate(ndim, s, dtype, device);
+}
+
+Tensor Tensor::zeros(std::initializer_list<int64_t> shape, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  std::memset(t.data_, 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::full(std::initializer_list<int64_t> shape, DType dtype, float value) {
+  Tensor t = empty(shape, dtype);
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.set(i, value);
+  return t;
+}
+
+Tensor Tensor::wrap(void* data, std::initializer_list<int64_t> shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = parse_shape(shape, t.ndim_);
+  DATTN_CHECK_ARG(data != nullptr || t.numel() == 0, "data", "nullptr", "a valid pointer");
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.data_ = data;
+  return t;
+}
+
+int64_t Tensor::numel() const {
+  if (ndim_ == 0) return 0;
+  int64_t n = 1;
+  for (int d = 0; d < ndim_; ++d)
+    n *= shape_[d];
+  return n;
+}
+
+std::string Tensor::shape_str() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim_; ++d)
+    os << (d ? ", " : "") << shape_[d];
+  os << "] " << dtype_name(dtype_);
+  return os.str();
+}
+
+float Tensor::get(int64_t i) const {
+  switch (dtype_) {
+    case DType::f32:
+      return static_cast<const float*>(data_)[i];
+    case DType::bf16:
+      return to_float(static_cast<const bf16*>(data_)[i]);
+    case DType::f16:
+      return to_float(static_cast<const f16*>(data_)[i]);
+  }
+  return 0.f;
+}
+
+void Tensor::set(int64_t i, float value) {
+  switch (dtype_) {
+    case DType::f32:
+      static_cast<float*>(data_)[i] = value;
+      return;
+    case DType::bf16:
+      static_cast<bf16*>(data_)[i] = to_bf16(value);
+      return;
+    case DType::f16:
+      static_cast<f16*>(data_)[i] = to_f16(value);
+      return;
+  }
+}
+
+Tensor Tensor::seq_slice(int64_t begin, int64_t len) const {
+  DATTN_CHECK_ARG(ndim_ >= 2, "tensor rank", ndim_, ">= 2 for a sequence slice");
+  DATTN_CHECK_ARG(begin >= 0 && len >= 0 && begin + len <= shape_[1], "sequence slice",
+                  detail::cat("[", begin, ", ", begin + len, ")"),
+                  detail::cat("a range inside [0, ", shape_[1], ")"));
+  auto shape = shape_;
+  shape[1] = len;
+  Tensor out = allocate(ndim_, shape, dtype_, device_);
+  int64_t row = 1;  // elements per sequence position
+  for (int d = 2; d < ndim_; ++d)
+    row *= shape_[d];
+  size_t esz = dtype_size(dtype_);
+  for (int64_t b = 0; b < shape_[0]; ++b) {
+    const char* src = static_cast<const char*>(data_) + (b * shape_[1] + begin) * row * esz;
+    char* dst = static_cast<char*>(out.data_) + b * len * row * esz;
+    std::memcpy(dst, src, size_t(len * row) * esz);
+  }
+  return out;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  Tensor out = allocate(ndim_, shape_, dtype, device_);
+  if (dtype == dtype_) {
+    std::memcpy(out.data_, data_, nbytes());
+  } else if (dtype == DType::f32) {
+    convert_to_f32(data_, dtype_, out.ptr<float>(), size_t(numel()));
+  } else {
+    Tensor f = to(DType::f32);
+    convert_from_f32(f.ptr<float>(), out.data_, dtype, size_t(numel()));
+  }
+  return out;
+}
+
+}  // namespace dattn

@@ -1,0 +1,81 @@
+// Tensor: a contiguous, row-major view of 1-4 dimensions with its dtype and device, owning its
+// storage or wrapping the caller's. Attention tensors are bshd [batch, seq, heads, head_dim];
+// lse is [batch, heads, seq].
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "src/dtype.h"
+
+namespace dattn {
+
+struct Device {
+  enum class Kind : uint8_t { cpu, cuda };
+  Kind kind = Kind::cpu;
+  int index = 0;
+
+  static Device cpu() { return {Kind::cpu, 0}; }
+  static Device cuda(int index) { return {Kind::cuda, index}; }
+  bool is_cpu() const { return kind == Kind::cpu; }
+  bool operator==(const Device&) const = default;
+  std::string str() const;
+};
+
+class Tensor {
+ public:
+  static constexpr int kMaxDims = 4;
+
+  Tensor() = default;
+  // Allocates (64-byte aligned, uninitialised) host storage. Only CPU for now.
+  static Tensor empty(std::initializer_list<int64_t> shape, DType dtype,
+                      Device device = Device::cpu());
+  static Tensor zeros(std::initializer_list<int64_t> shape, DType dtype,
+                      Device device = Device::cpu());
+  static Tensor full(std::initializer_list<int64_t> shape, DType dtype, float value);
+  // Wraps memory the caller owns and keeps alive.
+  static Tensor wrap(void* data, std::initializer_list<int64_t> shape, DType dtype,
+                     Device device = Device::cpu());
+
+  bool defined() const { return data_ != nullptr || numel() == 0; }
+  void* data() const { return data_; }
+  template <typename T>
+  T* ptr() const {
+    return static_cast<T*>(data_);
+  }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  int dim() const { return ndim_; }
+  int64_t size(int d) const { return shape_[d]; }
+  const std::array<int64_t, kMaxDims>& shape() const { return shape_; }
+  int64_t numel() const;
+  size_t nbytes() const { return size_t(numel()) * dtype_size(dtype_); }
+  std::string shape_str() const;  // "[1, 4096, 8, 128] bf16"
+
+  // Element i (flat index) read as fp32, and written from fp32, whatever the dtype (host only).
+  float get(int64_t i) const;
+  void set(int64_t i, float value);
+
+  // The rows [begin, begin + len) of dimension 1 (the sequence of a bshd tensor) as a new
+  // contiguous tensor; a copy unless dimension 0 has size 1.
+  Tensor seq_slice(int64_t begin, int64_t len) const;
+  // A copy converted to another dtype.
+  Tensor to(DType dtype) const;
+
+ private:
+  // Allocates host storage for a tensor of the given rank and shape.
+  static Tensor allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DType dtype,
+                         Device device);
+
+  std::shared_ptr<void> storage_;  // empty for wrapped memory
+  void* data_ = nullptr;
+  DType dtype_ = DType::f32;
+  Device device_;
+  int ndim_ = 0;
+  std::array<int64_t, kMaxDims> shape_{};
+};
+
+}  // namespace dattn

@@ -1,0 +1,31 @@
+// Validation that all ranks agree on: a failure on any rank becomes the same dattn::Error on
+// every rank, before any data moves, so that no rank is left waiting in a collective.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "collective/communicator.h"
+
+namespace dattn {
+
+// Runs `check` on this rank (it throws dattn::Error on bad input), then one small allreduce:
+// if any rank's check failed, every rank throws an Error that names the lowest failing rank and
+// carries its message; if the ranks passed different config_hash values (a configuration that
+// must match everywhere), every rank throws an Error naming `what` and the ranks that differ
+// from rank 0. Collective over comm.
+void agree_on_validation(Communicator& comm, const std::string& what, uint64_t config_hash,
+                         const std::function<void()>& check);
+
+// FNV-1a mixing of configuration fields into a hash.
+inline uint64_t hash_mix(uint64_t h, uint64_t x) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (x >> (8 * i)) & 0xffu;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+inline constexpr uint64_t kHashSeed = 1469598103934665603ull;
+
+}  // namespace dattn

@@ -13,71 +13,13 @@
 #include <limits>
 #include <memory>
 
+#include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/error.h"
 
 namespace dattn::cpu {
 
 namespace {
-
-// ---------------------------------------------------------------- vector math
-// Hot loops are cloned per ISA and picked at load time, so one binary runs on any x86-64 and
-// still uses AVX-512 where it exists. exp() from libm does not vectorise; this one does and is
-// accurate to ~2 ulp on the range that occurs here (arguments <= 0).
-
-#if defined(__x86_64__) && !defined(__clang__)
-#define DATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DATTN_CLONES
-#endif
-
-// exp(x) for x <= 0 (x = -inf gives exactly 0). Range reduction x = n ln2 + f, |f| <= ln2/2,
-// then a degree-6 polynomial for exp(f) and 2^n from the exponent bits.
-inline float exp_nonpositive(float x) {
-  const float log2e = 1.44269504088896341f;
-  const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-  float xc = std::max(x, -87.0f);
-  float n = std::floor(xc * log2e + 0.5f);
-  float f = xc - n * ln2_hi - n * ln2_lo;
-  float p = 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.0f ? 0.f : p * scale;
-}
-
-// Row maximum (-inf for an all -inf row).
-DATTN_CLONES float row_max(const float* x, int64_t n) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i)
-    m = std::max(m, x[i]);
-  return m;
-}
-
-// x[i] = exp(x[i] - m) in place; returns the sum. m is finite.
-DATTN_CLONES float exp_shift_sum(float* x, int64_t n, float m) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
-    float e = exp_nonpositive(x[i] - m);
-    x[i] = e;
-    s += e;
-  }
-  return s;
-}
-
-DATTN_CLONES void scale_row(float* x, int64_t n, float c) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i)
-    x[i] *= c;
-}
 
 // ---------------------------------------------------------------- workspace
 // Per-thread tile buffers, allocated once per kernel call: O(tile), independent of S.
@@ -224,6 +166,15 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
       }
     }
   }
+}
+
+std::string cpu_kernel_info() {
+  const char* core = openblas_get_corename();
+  std::string info = detail::cat("blas OpenBLAS core ", core ? core : "?", ", softmax ",
+                                 vec_math_isa(), ", tiles ", kTileQ, "x", kTileK);
+  if (core != nullptr && std::strcmp(core, "Prescott") == 0)
+    info += " (WARNING: generic BLAS kernels; set OPENBLAS_CORETYPE, see launch/mpirun.sh)";
+  return info;
 }
 
 }  // namespace dattn::cpu

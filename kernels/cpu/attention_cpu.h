@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "src/dtype.h"
 #include "src/spec.h"
@@ -39,8 +40,14 @@ struct AttentionBlock {
 // Parallel (OpenMP) over batch x head x query tile; BLAS runs single-threaded inside.
 void attention_forward(const AttentionBlock& blk, float* out, float* lse);
 
+// One line for report headers: the BLAS, its kernel core, the softmax ISA and the tiles, with a
+// warning when OpenBLAS runs its generic kernels (set OPENBLAS_CORETYPE, see CMakeLists.txt).
+std::string cpu_kernel_info();
+
 // Query and key tile sizes (rows), exposed for tests that want shapes straddling tiles.
-inline constexpr int64_t kTileQ = 128;
-inline constexpr int64_t kTileK = 256;
+// 256 x 512 measured best of {64,128,256} x {256,512} for the sgemm tiles at D = 64 and 128
+// (single thread, OpenBLAS SkylakeX kernels): larger tiles amortise OpenBLAS's operand packing.
+inline constexpr int64_t kTileQ = 256;
+inline constexpr int64_t kTileK = 512;
 
 }  // namespace dattn::cpu

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <type_traits>
 
 namespace dattn {
 
@@ -34,28 +36,48 @@ void for_each_piece(size_t bytes, Fn fn) {
   } while (off < bytes);
 }
 
-MPI_Datatype mpi_type(DType t) {
-  switch (t) {
-    case DType::f32:
-      return MPI_FLOAT;
-    default:
-      break;
+// 16-bit floats have no MPI type: they travel as MPI_UINT16_T and reduce through user ops
+// that widen to fp32, add (or compare) and round back, as NCCL does for bf16/fp16.
+template <typename T, ReduceOp Op>
+void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = to_float(a[i]), y = to_float(b[i]);
+    const float r = Op == ReduceOp::sum ? x + y : Op == ReduceOp::max ? std::fmax(x, y)
+                                                                      : std::fmin(x, y);
+    if constexpr (std::is_same_v<T, bf16>)
+      b[i] = to_bf16(r);
+    else
+      b[i] = to_f16(r);
   }
-  DATTN_THROW("invalid dtype = ", dtype_name(t),
-              " for an MPI reduction: expected fp32 (partials are always fp32)");
 }
 
-MPI_Op mpi_op(ReduceOp op) {
+template <typename T>
+MPI_Op op16(ReduceOp op) {
+  // Created once, on first use (MPI is up by then); MPI_Finalize releases them.
+  static MPI_Op ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  static MPI_User_function* fns[3] = {reduce16<T, ReduceOp::sum>, reduce16<T, ReduceOp::max>,
+                                      reduce16<T, ReduceOp::min>};
+  const int i = int(op);
+  if (ops[i] == MPI_OP_NULL) DATTN_MPI_CHECK(MPI_Op_create(fns[i], /*commute=*/1, &ops[i]));
+  return ops[i];
+}
+
+MPI_Datatype mpi_type(DType t) { return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+MPI_Op mpi_op(ReduceOp op, DType t) {
+  if (t == DType::bf16) return op16<bf16>(op);
+  if (t == DType::f16) return op16<f16>(op);
   switch (op) {
-    case ReduceOp::sum:
-      return MPI_SUM;
-    case ReduceOp::max:
-      return MPI_MAX;
-    case ReduceOp::min:
-      return MPI_MIN;
+    case ReduceOp::sum: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
   }
   return MPI_SUM;
 }
+
+MPI_Op mpi_op(ReduceOp op) { return mpi_op(op, DType::f32); }
 
 int as_int(size_t n, const char* what) {
   if (n > size_t(INT_MAX))
@@ -128,7 +150,7 @@ void MpiCommunicator::allreduce(const void* send, void* recv, size_t count, DTyp
                                 ReduceOp op) {
   const void* s = send == recv ? MPI_IN_PLACE : send;
   DATTN_MPI_CHECK(
-      MPI_Allreduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op), comm_));
+      MPI_Allreduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op, dtype), comm_));
   counters_.add("allreduce", count * dtype_size(dtype));
 }
 
@@ -143,7 +165,7 @@ void MpiCommunicator::reduce(const void* send, void* recv, size_t count, DType d
                              int root) {
   const void* s = (send == recv && rank_ == root) ? MPI_IN_PLACE : send;
   DATTN_MPI_CHECK(
-      MPI_Reduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op), root, comm_));
+      MPI_Reduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op, dtype), root, comm_));
   counters_.add("reduce", count * dtype_size(dtype));
 }
 

@@ -27,11 +27,15 @@ Layout Layout::contiguous(int64_t global_seq, int ranks) {
   return l;
 }
 
+const std::vector<Run>& Layout::runs(int rank) const {
+  DATTN_CHECK_ARG(rank >= 0 && rank < ranks_, "rank", rank,
+                  detail::cat("0 to ", ranks_ - 1, " (ranks of ", str(), ")"));
+  return runs_[size_t(rank)];
+}
+
 int64_t Layout::local_len(int rank) const {
-  DATTN_CHECK_ARG(rank >= 0 && rank < ranks_, "rank", rank, detail::cat("0 to ", ranks_ - 1));
   int64_t n = 0;
-  for (const Run& run : runs_[size_t(rank)])
-    n += run.length;
+  for (const Run& run : runs(rank)) n += run.length;
   return n;
 }
 

@@ -37,7 +37,7 @@ class Layout {
   int64_t global_seq() const { return global_seq_; }
   int64_t local_len(int rank) const;
   int64_t max_local_len() const;
-  const std::vector<Run>& runs(int rank) const { return runs_.at(size_t(rank)); }
+  const std::vector<Run>& runs(int rank) const;
   int64_t global_position(int rank, int64_t local_index) const;
 
   // Whether any query held by q_rank sees any key held by k_rank under the mask.

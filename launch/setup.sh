@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Sets up and builds dattn on Debian 12: installs the Debian packages the build needs (only the
+# missing ones, so a second run installs nothing), then configures and builds with CMake.
+#   bash launch/setup.sh [extra cmake configure arguments, e.g. -DDATTN_WITH_CUDA=OFF]
+# Environment: BUILD_DIR (default: build, relative to the repository root), BUILD_TYPE (default
+# Release). Works from any directory.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build_dir=${BUILD_DIR:-build}
+[[ $build_dir = /* ]] || build_dir=$repo/$build_dir
+build_type=${BUILD_TYPE:-Release}
+
+say() { echo "dattn setup: $*"; }
+die() { echo "dattn setup: error: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- Debian packages
+# The compiler and build tools, Open MPI, Boost.Program_options (the CLI), GoogleTest/GoogleMock,
+# OpenBLAS with its pthread variant (the CPU tile GEMMs; without it the reference BLAS is used,
+# ~50x slower), and clang-format for the format check.
+packages=(cmake g++ make libopenmpi-dev openmpi-bin libboost-program-options-dev libgtest-dev
+          libgmock-dev libopenblas-dev libopenblas0-pthread clang-format)
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+  say "not a Debian system (no dpkg-query): skipping package install; needs ${packages[*]}"
+else
+  missing=()
+  for p in "${packages[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [[ $status = "install ok installed" ]] || missing+=("$p")
+  done
+  if ((${#missing[@]} == 0)); then
+    say "packages: all ${#packages[@]} installed"
+  else
+    sudo=()
+    if ((EUID != 0)); then
+      command -v sudo >/dev/null 2>&1 || die "not root and no sudo: install ${missing[*]}"
+      sudo=(sudo)
+    fi
+    log=$(mktemp "${TMPDIR:-/tmp}/dattn-setup-apt.XXXXXX.log")
+    say "installing ${missing[*]} (log: $log)"
+    if ! { "${sudo[@]}" apt-get update -q &&
+           "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+         >"$log" 2>&1 </dev/null; then
+      echo "dattn setup: apt-get failed; last lines of $log:" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    rm -f "$log"
+  fi
+fi
+
+# ---------------------------------------------------------------- configure and build
+cmake_args=(-S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE="$build_type")
+# CMake finds nvcc on PATH by itself; the toolkit's usual place is not on PATH in a fresh shell.
+if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  cmake_args+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+fi
+
+say "configuring ($build_type) in $build_dir"
+cmake "${cmake_args[@]}" "$@"
+
+jobs=$(nproc 2>/dev/null || echo 2)
+say "building with $jobs jobs"
+cmake --build "$build_dir" -j"$jobs"
+say "done: programs in $build_dir/bin"

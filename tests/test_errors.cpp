@@ -1,0 +1,376 @@
+// Multi-rank tests (1-4 ranks) of error handling: bad input to dattn::attention throws a
+// dattn::Error on every rank (no rank hangs), whose what() names the parameter, the mismatch or
+// the rank at fault; plus the errors of layouts, the runtime, and dtype/strategy names.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/reference.h"
+#include "src/attention.h"
+#include "src/error.h"
+#include "src/layout.h"
+#include "src/runtime.h"
+#include "tests/test_reference.h"
+
+namespace dattn {
+namespace {
+
+// Runs f, which must throw dattn::Error whose what() contains every needle.
+template <typename F>
+testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const auto& n : needles)
+      if (what.find(n) == std::string::npos)
+        return testing::AssertionFailure()
+               << "dattn::Error does not mention '" << n << "': what() = " << what;
+    return testing::AssertionSuccess() << what;
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw a non-dattn exception: " << e.what();
+  }
+  return testing::AssertionFailure() << "did not throw";
+}
+
+// A valid problem for this rank: spec, contiguous layout over the world, and shards.
+struct Call {
+  AttnSpec spec;
+  Layout layout;
+  Tensor q, k, v;
+  int64_t B = 1, S = 0;
+  DType dtype = DType::f32;
+
+  Call(int P, int me, int64_t per_rank = 4, DType dt = DType::f32, int64_t batch = 1)
+      : B(batch), dtype(dt) {
+    spec.heads_q = 4;
+    spec.heads_kv = 2;
+    spec.head_dim = 32;
+    spec.mask = Mask::causal();
+    S = per_rank * P;
+    layout = Layout::contiguous(S, P);
+    make_tensors(me);
+  }
+  void make_tensors(int me, int64_t q_seq = -1, int64_t k_seq = -1) {
+    const int64_t l = layout.local_len(me);
+    q = test::random_tensor({B, q_seq >= 0 ? q_seq : l, spec.heads_q, spec.head_dim}, dtype, 1);
+    k = test::random_tensor({B, k_seq >= 0 ? k_seq : l, spec.heads_kv, spec.head_dim}, dtype, 2);
+    v = test::random_tensor({B, k_seq >= 0 ? k_seq : l, spec.heads_kv, spec.dim_v()}, dtype, 3);
+  }
+};
+
+class AttentionErrors : public testing::Test {
+ protected:
+  void SetUp() override {
+    rt = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, {}));
+    P = rt->cp_size();
+    me = rt->cp_rank();
+  }
+  void TearDown() override { rt.reset(); }
+  Partial run(const Call& c) { return attention(*rt, c.q, c.k, c.v, c.spec, c.layout); }
+  Partial run(const Call& c, const AttnSpec& spec) {
+    return attention(*rt, c.q, c.k, c.v, spec, c.layout);
+  }
+  std::string rank_str(int r) const { return "rank " + std::to_string(r); }
+
+  std::unique_ptr<Runtime> rt;
+  int P = 1, me = 0;
+};
+
+// ---------------------------------------------------------------- bad input on every rank
+
+TEST_F(AttentionErrors, ValidCallSucceeds) {
+  Call c(P, me);
+  Partial r = run(c);
+  EXPECT_EQ(r.out.size(1), c.layout.local_len(me));
+}
+
+TEST_F(AttentionErrors, BatchMismatchBetweenQAndK) {
+  Call c(P, me);
+  c.k = test::random_tensor({2, c.layout.local_len(me), 2, 32}, DType::f32, 5);
+  c.v = test::random_tensor({2, c.layout.local_len(me), 2, 32}, DType::f32, 6);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"batch"}));
+}
+
+TEST_F(AttentionErrors, HeadDimMismatchBetweenQAndK) {
+  Call c(P, me);
+  c.k = test::random_tensor({1, c.layout.local_len(me), 2, 16}, DType::f32, 5);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"head_dim", "16"}));
+}
+
+TEST_F(AttentionErrors, VHeadDimNotSpecHeadDimV) {
+  Call c(P, me);
+  c.spec.head_dim_v = 24;  // v still has 32
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"head_dim"}));
+}
+
+TEST_F(AttentionErrors, HeadsQNotAMultipleOfHeadsKv) {
+  Call c(P, me);
+  c.spec.heads_q = 6;
+  c.spec.heads_kv = 4;
+  c.q = test::random_tensor({1, c.layout.local_len(me), 6, 32}, DType::f32, 5);
+  c.k = test::random_tensor({1, c.layout.local_len(me), 4, 32}, DType::f32, 6);
+  c.v = test::random_tensor({1, c.layout.local_len(me), 4, 32}, DType::f32, 7);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"heads_q", "multiple"}));
+}
+
+TEST_F(AttentionErrors, TensorHeadsNotTheSpecs) {
+  Call c(P, me);
+  c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);  // spec: 4
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"heads"}));
+}
+
+TEST_F(AttentionErrors, ZeroOrNegativeSizes) {
+  Call c(P, me);
+  {
+    AttnSpec s = c.spec;
+    s.heads_q = 0;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_q"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.heads_kv = 0;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_kv"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.heads_kv = -2;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_kv"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.head_dim = 0;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.head_dim = -32;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.head_dim_v = -1;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim_v"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.head_dim = 512;  // beyond the kernels' 256
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+  }
+  // A batch of 0 is rejected too.
+  Call z(P, me, 4, DType::f32, 0);
+  EXPECT_TRUE(throws_naming([&] { run(z); }, {"batch"}));
+}
+
+// spec.h: softmax_scale 0 means 1/sqrt(head_dim); a negative or non-finite scale is rejected.
+TEST_F(AttentionErrors, SoftmaxScale) {
+  Call c(P, me);
+  for (float bad : {-0.5f, std::nanf(""), INFINITY}) {
+    AttnSpec s = c.spec;
+    s.softmax_scale = bad;
+    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"softmax_scale"})) << bad;
+  }
+}
+
+TEST_F(AttentionErrors, LocalSeqNotTheLayoutsLocalLen) {
+  Call c(P, me);
+  const int64_t l = c.layout.local_len(me);
+  c.make_tensors(me, l + 1, l + 1);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq", std::to_string(l + 1)}));
+  c.make_tensors(me, l, l + 2);  // q right, k/v wrong
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq"}));
+  c.make_tensors(me);
+  c.v = test::random_tensor({1, l + 3, 2, 32}, DType::f32, 9);  // v's seq differs from k's
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq"}));
+}
+
+TEST_F(AttentionErrors, DtypeOfKDiffersFromQ) {
+  Call c(P, me);
+  c.k = c.k.to(DType::bf16);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"dtype", "bf16"}));
+  Call d(P, me, 4, DType::f16);
+  d.v = d.v.to(DType::f32);
+  EXPECT_TRUE(throws_naming([&] { run(d); }, {"dtype"}));
+}
+
+TEST_F(AttentionErrors, UndefinedOrWrongRankTensor) {
+  Call c(P, me);
+  c.v = Tensor();
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"v"}));
+  Call d(P, me);
+  d.q = test::random_tensor({d.layout.local_len(me), 4, 32}, DType::f32, 4);  // 3-D
+  EXPECT_TRUE(throws_naming([&] { run(d); }, {"q"}));
+}
+
+TEST_F(AttentionErrors, LayoutForADifferentNumberOfRanks) {
+  Call c(P, me);
+  c.layout = Layout::contiguous(c.S, P + 1);
+  c.make_tensors(me);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"ranks", std::to_string(P + 1)}));
+}
+
+// ---------------------------------------------------------------- a configuration that differs
+
+// Rank 1 (only) passes a different configuration: every rank throws, naming the mismatch.
+TEST_F(AttentionErrors, ConfigurationDiffersBetweenRanks) {
+  if (P < 2) GTEST_SKIP() << "needs 2 ranks";
+  const std::vector<std::string> differ = {"differ"};
+  {
+    Call c(P, me);
+    if (me == 1) c.spec.mask = Mask::none();
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "mask";
+  }
+  {
+    Call c(P, me);
+    if (me == 1) c.spec.softmax_scale = 0.25f;
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "softmax scale";
+  }
+  {
+    Call c(P, me);
+    if (me == 1) {  // a different global seq, with shards that fit rank 1's own layout
+      c.layout = Layout::contiguous(c.S + P, P);
+      c.make_tensors(me);
+    }
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "layout";
+  }
+  {
+    Call c(P, me, 4, DType::f32, me == 1 ? 2 : 1);  // batch
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "batch";
+  }
+  {
+    Call c(P, me, 4, me == 1 ? DType::bf16 : DType::f32);  // dtype
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "dtype";
+  }
+  {
+    Call c(P, me);
+    if (me == 1) {  // heads_kv differs (still a valid spec on rank 1)
+      c.spec.heads_kv = 4;
+      c.make_tensors(me);
+    }
+    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "heads_kv";
+  }
+  // The message names the rank that differs from rank 0.
+  {
+    Call c(P, me);
+    if (me == P - 1) c.spec.mask = Mask::none();
+    EXPECT_TRUE(throws_naming([&] { run(c); }, {"differ", std::to_string(P - 1)}));
+  }
+}
+
+// Only the last rank passes a bad value: every rank throws, and the message names that rank.
+TEST_F(AttentionErrors, BadValueOnOneRankOnly) {
+  const int bad = P - 1;
+  {
+    Call c(P, me);
+    if (me == bad) c.k = test::random_tensor({1, c.layout.local_len(me), 2, 16}, DType::f32, 5);
+    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "head_dim"}));
+  }
+  {
+    Call c(P, me);
+    if (me == bad) c.make_tensors(me, c.layout.local_len(me) + 1, c.layout.local_len(me) + 1);
+    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "seq"}));
+  }
+  {
+    Call c(P, me);
+    if (me == bad) c.v = c.v.to(DType::bf16);
+    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "dtype"}));
+  }
+  if (P >= 2) {  // rank 0 is fine, rank 1 is bad: the message on rank 0 names rank 1
+    Call c(P, me);
+    if (me == 1) c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);
+    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(1), "heads"}));
+  }
+}
+
+// After every kind of rejected call the ranks are still in step: a valid call works and is right.
+TEST_F(AttentionErrors, ValidCallAfterErrorsIsCorrect) {
+  Call bad(P, me);
+  if (me == P - 1) bad.spec.heads_q = 3;
+  EXPECT_THROW(run(bad), Error);
+  Call c(P, me, 5, DType::bf16);
+  EXPECT_NO_THROW(run(c));
+  Tensor qg = test::random_tensor({1, c.S, 4, 32}, DType::bf16, 11);
+  Tensor kg = test::random_tensor({1, c.S, 2, 32}, DType::bf16, 12);
+  Tensor vg = test::random_tensor({1, c.S, 2, 32}, DType::bf16, 13);
+  Partial r2 = attention(*rt, c.layout.dispatch(qg, me), c.layout.dispatch(kg, me),
+                         c.layout.dispatch(vg, me), c.spec, c.layout);
+  auto ref = cpu::attention_reference(qg, kg, vg, c.spec);
+  EXPECT_TRUE(test::matches_reference(
+      r2.out.ptr<float>(), r2.lse.ptr<float>(), 1, c.layout.local_len(me), 4, 32, ref, c.S,
+      [&](int64_t s) { return c.layout.global_position(me, s); },
+      test::tolerance_for(DType::bf16)));
+}
+
+// what() reads "dattn error on rank R (file.cpp:123): <message>".
+TEST_F(AttentionErrors, MessageFormat) {
+  Call c(P, me);
+  c.spec.heads_q = 0;
+  try {
+    run(c);
+    ADD_FAILURE() << "did not throw";
+  } catch (const Error& e) {
+    const std::string what = e.what(), prefix = "dattn error on " + rank_str(me) + " (";
+    EXPECT_EQ(what.rfind(prefix, 0), 0u) << what;
+    EXPECT_NE(what.find(".cpp:"), std::string::npos) << what;
+    EXPECT_NE(what.find(e.message()), std::string::npos) << what;
+    EXPECT_NE(e.message().find("heads_q"), std::string::npos) << e.message();
+  }
+}
+
+// ---------------------------------------------------------------- runtime, layout, names
+
+TEST(RuntimeErrors, CpTimesTpNotTheNumberOfRanks) {
+  int P = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &P);
+  RuntimeOptions o;
+  o.cp = P + 1;
+  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"cp"}));
+  RuntimeOptions t;
+  t.tp = 0;
+  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, t); }, {"tp"}));
+  RuntimeOptions g;
+  g.device = Device::cuda(0);
+  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, g); }, {"device"}));
+  // Options that differ between ranks, or that are bad on one rank only: every rank throws.
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (P >= 2) {
+    RuntimeOptions d;
+    if (me == 1) {  // valid on its own, differs from rank 0
+      d.tp = P;
+      d.cp = 1;
+    }
+    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, d); }, {"differ"}));
+  }
+  RuntimeOptions last;
+  if (me == P - 1) last.cp = P + 1;
+  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, last); },
+                            {"rank " + std::to_string(P - 1), "cp"}));
+  // And a valid runtime can still be built afterwards.
+  Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
+  EXPECT_EQ(rt.size(), P);
+}
+
+TEST(LayoutErrors, BadRanksOrSeq) {
+  EXPECT_TRUE(throws_naming([] { Layout::contiguous(16, 0); }, {"ranks", "0"}));
+  EXPECT_TRUE(throws_naming([] { Layout::contiguous(16, -3); }, {"ranks", "-3"}));
+  EXPECT_TRUE(throws_naming([] { Layout::contiguous(-1, 2); }, {"global_seq", "-1"}));
+  Layout l = Layout::contiguous(10, 2);
+  EXPECT_TRUE(throws_naming([&] { l.local_len(2); }, {"rank"}));
+  EXPECT_TRUE(throws_naming([&] { l.global_position(0, 5); }, {"local_index"}));
+  Tensor wrong = Tensor::zeros({1, 11, 1, 1}, DType::f32);
+  EXPECT_TRUE(throws_naming([&] { l.dispatch(wrong, 0); }, {"sequence length", "11"}));
+}
+
+TEST(NameErrors, ParseDtypeAndStrategy) {
+  EXPECT_TRUE(throws_naming([] { parse_dtype("fp8"); }, {"dtype", "fp8"}));
+  EXPECT_TRUE(throws_naming([] { parse_dtype(""); }, {"dtype"}));
+  EXPECT_TRUE(throws_naming([] { parse_strategy("tree"); }, {"strategy", "tree"}));
+  EXPECT_TRUE(throws_naming([] { parse_strategy("Ring "); }, {"strategy", "Ring "}));
+}
+
+}  // namespace
+}  // namespace dattn

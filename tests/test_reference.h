@@ -1,0 +1,73 @@
+// Test support shared by every test binary: deterministic random tensors, an independent
+// float64 attention with arbitrary token positions, and the comparison of a dattn partial
+// (out, lse; fp32) against a float64 reference with per-dtype tolerances.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/reference.h"
+#include "src/dtype.h"
+#include "src/spec.h"
+#include "src/tensor.h"
+
+namespace dattn::test {
+
+// ---------------------------------------------------------------- random data
+
+// Fills t with normal(0, stddev) values (rounded to t's dtype), a pure function of seed: every
+// rank that calls it with the same seed gets the same tensor.
+void fill_normal(Tensor& t, uint64_t seed, float stddev = 1.f);
+Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t seed,
+                     float stddev = 1.f);
+
+// ---------------------------------------------------------------- independent reference
+
+// Float64 attention where query row i sits at q_pos[i] and key row j at k_pos[j] (any
+// positions: strided, shuffled). Same result layout as dattn::cpu::attention_reference.
+cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const AttnSpec& spec, const std::vector<int64_t>& q_pos,
+                                     const std::vector<int64_t>& k_pos);
+// Positions begin, begin + stride, ... (n of them).
+std::vector<int64_t> positions(int64_t begin, int64_t n, int64_t stride = 1);
+
+// ---------------------------------------------------------------- comparison
+
+// |got - ref| <= atol + rtol * |ref| for lse, and the same times (1 + |lse| / 16) for out (the
+// rounding error of the scores grows with their size).
+struct Tolerance {
+  double out_atol, out_rtol, lse_atol, lse_rtol;
+};
+// The tolerance for a kernel whose inputs are stored in `dtype` (see test_reference.cpp for the
+// measured errors these are set from).
+Tolerance tolerance_for(DType dtype);
+
+struct CompareStats {
+  double max_out_err = 0, max_lse_err = 0;  // absolute
+  double max_ratio = 0;                     // largest error / allowed error
+  int64_t rows = 0, empty_rows = 0;
+};
+
+// Checks a partial against the reference. out is fp32 [B, S, H, Dv] (bshd), lse fp32 [B, H, S];
+// row s of the partial is row ref_row(s) of the reference (ref has ref_S rows, same B, H, Dv).
+// A row that the reference says is empty (lse = -inf) must have lse exactly -inf and out
+// exactly 0; no value may be NaN or +inf. On failure the message names the worst index.
+testing::AssertionResult matches_reference(const float* out, const float* lse, int64_t B, int64_t S,
+                                           int64_t H, int64_t Dv, const cpu::ReferenceResult& ref,
+                                           int64_t ref_S,
+                                           const std::function<int64_t(int64_t)>& ref_row,
+                                           const Tolerance& tol, CompareStats* stats = nullptr);
+// Same rows in both (ref_S == S).
+testing::AssertionResult matches_reference(const float* out, const float* lse, int64_t B, int64_t S,
+                                           int64_t H, int64_t Dv, const cpu::ReferenceResult& ref,
+                                           const Tolerance& tol, CompareStats* stats = nullptr);
+
+// Whether to print measured errors (DATTN_TEST_PRINT_ERRORS=1), for setting tolerances.
+bool print_errors();
+
+}  // namespace dattn::test

@@ -1,0 +1,361 @@
+// dattn-kernel-bench: the single-process CPU attention kernel against the BLAS it is built on.
+// Prints the BLAS's own sgemm FLOP/s, the kernel's attention FLOP/s on the same threads, their
+// ratio (target >= 0.50), and peak RSS against S to show the kernel's memory is linear in S.
+#include <cblas.h>
+#include <mpi.h>
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "examples/report.h"
+#include "launch/program.h"
+#include "src/attention.h"
+#include "src/error.h"
+#include "src/models.h"
+
+namespace {
+
+namespace po = boost::program_options;
+using dattn::DType;
+using dattn::Tensor;
+using dattn::report::fixed;
+
+// ================================================================== options
+
+struct Options {
+  int threads = 2;
+  int64_t heads = 8;
+  int64_t head_dim = 128;
+  int64_t seq = 8192;
+  std::string dtype_name = "fp32";
+  DType dtype = DType::f32;
+  int causal = 0;
+  int iters = 3;
+  int64_t gemm_n = 4096;
+  std::string rss_seqs_text = "16384,65536";
+  std::vector<int64_t> rss_seqs;
+  std::string json;
+};
+
+template <typename T>
+void require(bool ok, const char* option, const T& value, const char* expected) {
+  if (!ok) {
+    throw dattn::UsageError(
+        dattn::detail::cat("invalid ", option, " = ", value, ": expected ", expected));
+  }
+}
+
+// "16384,65536" -> {16384, 65536}, sorted ascending (the peak RSS is a high-water mark).
+std::vector<int64_t> parse_seq_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    require(used == item.size() && v >= 1, "--rss-seqs", text,
+            "a comma-separated list of lengths >= 1");
+    out.push_back(v);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Parses and validates the command line; nullopt when --help or --version was answered.
+std::optional<Options> parse_options(int argc, char** argv) {
+  Options o;
+  bool help = false, version = false;
+  po::options_description desc(
+      "dattn-kernel-bench: CPU attention kernel vs sgemm, and peak memory vs S (one process)\n"
+      "options");
+  // clang-format off
+  desc.add_options()
+    ("threads,T", po::value(&o.threads)->default_value(o.threads),
+     "OpenMP threads for the kernel (and BLAS threads for the sgemm)")
+    ("heads,H", po::value(&o.heads)->default_value(o.heads), "heads (heads_kv = heads)")
+    ("head-dim,d", po::value(&o.head_dim)->default_value(o.head_dim), "head dimension D")
+    ("seq,s", po::value(&o.seq)->default_value(o.seq), "sequence length of the kernel run")
+    ("dtype,t", po::value(&o.dtype_name)->default_value(o.dtype_name),
+     "storage dtype of the kernel run: fp32, bf16 or fp16")
+    ("causal,c", po::value(&o.causal)->default_value(o.causal),
+     "causal mask in the kernel run (0 or 1)")
+    ("iters,n", po::value(&o.iters)->default_value(o.iters), "timed iterations (best is kept)")
+    ("gemm-n", po::value(&o.gemm_n)->default_value(o.gemm_n), "sgemm size n (n x n x n)")
+    ("rss-seqs", po::value(&o.rss_seqs_text)->default_value(o.rss_seqs_text),
+     "sequence lengths of the peak-RSS runs (H=1, causal; empty: skip)")
+    ("json,J", po::value(&o.json)->value_name("FILE"), "also write the results as JSON to FILE")
+    ("help,h", po::bool_switch(&help), "print this help")
+    ("version,V", po::bool_switch(&version), "print the version");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw dattn::UsageError(std::string(e.what()));
+  }
+  if (help) std::cout << desc << "\n";
+  if (version) std::cout << "dattn-kernel-bench " << DATTN_VERSION << "\n";
+  if (help || version) return std::nullopt;
+
+  require(o.threads >= 1, "--threads", o.threads, ">= 1");
+  require(o.heads >= 1, "--heads", o.heads, ">= 1");
+  require(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  require(o.seq >= 1, "--seq", o.seq, ">= 1");
+  require(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
+  require(o.iters >= 1, "--iters", o.iters, ">= 1");
+  require(o.gemm_n >= 1, "--gemm-n", o.gemm_n, ">= 1");
+  try {
+    o.dtype = dattn::parse_dtype(o.dtype_name);
+  } catch (const dattn::Error&) {
+    require(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+  }
+  o.rss_seqs = parse_seq_list(o.rss_seqs_text);
+  return o;
+}
+
+// ================================================================== inputs and measurements
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A [1, S, H, D] tensor of uniform values in [-1, 1), seeded per tensor.
+Tensor random_bshd(int64_t S, int64_t H, int64_t D, DType dtype, uint64_t seed) {
+  Tensor t = Tensor::empty({1, S, H, D}, dtype);
+  const int64_t n = t.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    t.set(i, float(mix64(seed * 0x100000000ull + uint64_t(i)) >> 40) * 0x1p-23f - 1.0f);
+  }
+  return t;
+}
+
+double peak_rss_mib() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+
+void progress(const std::string& what, double gflop) {
+  if (gflop > 200) std::fprintf(stderr, "# running %s (%.0f GFLOP) ...\n", what.c_str(), gflop);
+}
+
+struct Timing {
+  double best_ms = 0, gflops = 0;
+};
+
+// Square sgemm on T BLAS threads, best of iters. The kernel wants BLAS single-threaded (it
+// runs BLAS inside its own OpenMP threads), so the thread count is put back to 1 afterwards.
+Timing time_sgemm(int64_t n, int threads, int iters) {
+  std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = float(mix64(i) >> 40) * 0x1p-23f - 1.0f;
+    b[i] = float(mix64(i + a.size()) >> 40) * 0x1p-23f - 1.0f;
+  }
+  openblas_set_num_threads(threads);
+  double best = 1e300;
+  for (int it = 0; it < iters; ++it) {
+    const double t0 = MPI_Wtime();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(n), int(n), 1.0f, a.data(),
+                int(n), b.data(), int(n), 0.0f, c.data(), int(n));
+    best = std::min(best, MPI_Wtime() - t0);
+  }
+  openblas_set_num_threads(1);
+  return {best * 1e3, 2.0 * double(n) * double(n) * double(n) / best / 1e9};
+}
+
+// attention_local on the current OpenMP threads, best of iters.
+Timing time_attention(const Options& o, const dattn::AttnSpec& spec) {
+  const Tensor q = random_bshd(o.seq, spec.heads_q, spec.head_dim, o.dtype, 1);
+  const Tensor k = random_bshd(o.seq, spec.heads_kv, spec.head_dim, o.dtype, 2);
+  const Tensor v = random_bshd(o.seq, spec.heads_kv, spec.dim_v(), o.dtype, 3);
+  double best = 1e300;
+  for (int it = 0; it < o.iters; ++it) {
+    const double t0 = MPI_Wtime();
+    (void)dattn::attention_local(q, k, v, spec);
+    best = std::min(best, MPI_Wtime() - t0);
+  }
+  return {best * 1e3, dattn::attention_flops(1, o.seq, o.seq, spec) / best / 1e9};
+}
+
+struct RssRow {
+  int64_t seq = 0;
+  double tensors_mib = 0, peak_mib = 0, time_ms = 0;
+};
+
+// One causal single-head run per S (ascending); the peak RSS after each, next to the bytes of
+// q, k, v, out and lse for that S.
+std::vector<RssRow> measure_rss(const Options& o) {
+  std::vector<RssRow> rows;
+  dattn::AttnSpec spec;
+  spec.heads_q = spec.heads_kv = 1;
+  spec.head_dim = o.head_dim;
+  spec.mask = dattn::Mask::causal();
+  for (int64_t S : o.rss_seqs) {
+    progress("peak-RSS run seq=" + std::to_string(S), dattn::attention_flops(1, S, S, spec) / 1e9);
+    RssRow r;
+    r.seq = S;
+    const double t0 = MPI_Wtime();
+    {
+      const Tensor q = random_bshd(S, 1, o.head_dim, o.dtype, 11);
+      const Tensor k = random_bshd(S, 1, o.head_dim, o.dtype, 12);
+      const Tensor v = random_bshd(S, 1, o.head_dim, o.dtype, 13);
+      const dattn::Partial res = dattn::attention_local(q, k, v, spec);
+      r.tensors_mib =
+          double(q.nbytes() + k.nbytes() + v.nbytes() + res.out.nbytes() + res.lse.nbytes()) /
+          (1024.0 * 1024.0);
+    }
+    r.time_ms = (MPI_Wtime() - t0) * 1e3;
+    r.peak_mib = peak_rss_mib();
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+// ================================================================== main
+
+int kernel_bench(int argc, char** argv) {
+  const std::optional<Options> parsed = parse_options(argc, argv);
+  if (!parsed) return 0;
+  const Options& o = *parsed;
+  omp_set_num_threads(o.threads);
+
+  dattn::AttnSpec spec;
+  spec.heads_q = spec.heads_kv = o.heads;
+  spec.head_dim = o.head_dim;
+  spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
+  spec.validate();
+
+  const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, "cpu", o.threads);
+  const std::string config = dattn::detail::cat(
+      "threads ", o.threads, " heads ", o.heads, " kv-heads ", o.heads, " head-dim ", o.head_dim,
+      " seq ", o.seq, " dtype ", dattn::dtype_name(o.dtype), " mask ", spec.mask.str(), " iters ",
+      o.iters, " (best of) gemm-n ", o.gemm_n, " rss-seqs ", o.rss_seqs_text);
+  dattn::report::print_header(stdout, "dattn kernel benchmark", {config}, ranks);
+  std::fflush(stdout);
+
+  // ru_maxrss is a high-water mark: the small-footprint RSS runs go first, before the sgemm's
+  // 3 n^2 floats and the kernel run's tensors raise it. They are printed last, as section (d).
+  const double base_mib = peak_rss_mib();
+  const std::vector<RssRow> rss = measure_rss(o);
+
+  progress("sgemm n=" + std::to_string(o.gemm_n),
+           2.0 * double(o.gemm_n) * double(o.gemm_n) * double(o.gemm_n) * o.iters / 1e9);
+  const Timing gemm = time_sgemm(o.gemm_n, o.threads, o.iters);
+  progress("attention seq=" + std::to_string(o.seq),
+           dattn::attention_flops(1, o.seq, o.seq, spec) * o.iters / 1e9);
+  const Timing attn = time_attention(o, spec);
+  const double ratio = attn.gflops / gemm.gflops;
+  const bool pass = ratio >= 0.50;
+
+  // ---------------------------------------------------------------- (a)-(c) throughput
+  const dattn::report::Table perf({{"section", "", 10},
+                                   {"problem", "", 34},
+                                   {"threads", "", 7},
+                                   {"best", "(ms)", 11},
+                                   {"GFLOP/s", "", 9}});
+  perf.print_heading(stdout);
+  const std::string gemm_shape =
+      dattn::detail::cat(o.gemm_n, "x", o.gemm_n, "x", o.gemm_n, " fp32");
+  const std::string attn_shape =
+      dattn::detail::cat("B=1 H=", o.heads, " S=", o.seq, " D=", o.head_dim, " ",
+                         dattn::dtype_name(o.dtype), " ", spec.mask.str());
+  perf.print_row(stdout, {"(a) blas", gemm_shape, std::to_string(o.threads), fixed(gemm.best_ms, 2),
+                          fixed(gemm.gflops, 2)});
+  perf.print_row(stdout, {"(b) attn", attn_shape, std::to_string(o.threads), fixed(attn.best_ms, 2),
+                          fixed(attn.gflops, 2)});
+  dattn::report::print_footer_line(
+      stdout, "(c) kernel / sgemm",
+      fixed(ratio, 3) + " (target >= 0.50) " + (pass ? "PASS" : "BELOW"));
+  std::printf("#\n");
+
+  // ---------------------------------------------------------------- (d) memory
+  const dattn::report::Table mem({{"seq", "(tokens)", 10},
+                                  {"tensors", "(MiB)", 9},
+                                  {"peak_rss", "(MiB)", 9},
+                                  {"rss-base", "(MiB)", 9},
+                                  {"growth", "(RSS/S)", 8},
+                                  {"time", "(ms)", 10}});
+  std::printf(
+      "# (d) peak RSS (ru_maxrss) after one causal run, B=1 H=1 D=%lld %s; measured "
+      "first, base %.1f MiB\n",
+      static_cast<long long>(o.head_dim), dattn::dtype_name(o.dtype), base_mib);
+  mem.print_heading(stdout);
+  std::vector<std::string> jrss;
+  for (size_t i = 0; i < rss.size(); ++i) {
+    const RssRow& r = rss[i];
+    // (growth of RSS above the base) / (growth of S) between consecutive rows: 1 is linear.
+    double growth = 0;
+    std::string growth_text = "-";
+    if (i > 0 && rss[i - 1].peak_mib > base_mib) {
+      growth = ((r.peak_mib - base_mib) / (rss[i - 1].peak_mib - base_mib)) /
+               (double(r.seq) / double(rss[i - 1].seq));
+      growth_text = fixed(growth, 2);
+    }
+    mem.print_row(stdout, {std::to_string(r.seq), fixed(r.tensors_mib, 1), fixed(r.peak_mib, 1),
+                           fixed(r.peak_mib - base_mib, 1), growth_text, fixed(r.time_ms, 1)});
+    dattn::report::JsonObject j;
+    j.add("seq", r.seq)
+        .add("tensors_mib", r.tensors_mib)
+        .add("peak_rss_mib", r.peak_mib)
+        .add("rss_above_base_mib", r.peak_mib - base_mib)
+        .add_raw("growth_vs_s", i > 0 ? dattn::report::json_number(growth) : "null")
+        .add("time_ms", r.time_ms);
+    jrss.push_back(j.str());
+  }
+  std::printf(
+      "# growth = ((peak - base) / previous (peak - base)) / (S / previous S): 1.00 is linear in "
+      "S, 4.00 would be quadratic.\n");
+  std::fflush(stdout);
+
+  if (!o.json.empty()) {
+    dattn::report::JsonObject cfg, g, a, top;
+    cfg.add("program", "dattn-kernel-bench")
+        .add("version", DATTN_VERSION)
+        .add("threads", o.threads)
+        .add("heads", o.heads)
+        .add("head_dim", o.head_dim)
+        .add("seq", o.seq)
+        .add("dtype", dattn::dtype_name(o.dtype))
+        .add("mask", spec.mask.str())
+        .add("iters", o.iters)
+        .add("gemm_n", o.gemm_n);
+    g.add("n", o.gemm_n).add("best_ms", gemm.best_ms).add("gflops", gemm.gflops);
+    a.add("best_ms", attn.best_ms).add("gflops", attn.gflops);
+    top.add_raw("config", cfg.str())
+        .add_raw("sgemm", g.str())
+        .add_raw("attention", a.str())
+        .add("ratio", ratio)
+        .add("target", 0.50)
+        .add("pass", pass)
+        .add("rss_base_mib", base_mib)
+        .add_raw("rss", dattn::report::json_array(jrss));
+    dattn::report::write_text_file(o.json, top.str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return dattn::run_program(argc, argv, kernel_bench);
+}

@@ -1,0 +1,718 @@
+// dattn-prefill-bench: the long-context prefill benchmark, nccl-tests style. Each rank generates
+// its own shard of q, k, v, times dattn::attention over a range of sequence lengths, checks the
+// bytes it sent against the ring byte model and, with --check, sampled rows against float64.
+#include <mpi.h>
+#include <omp.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collective/mpi_communicator.h"
+#include "examples/report.h"
+#include "launch/program.h"
+#include "src/attention.h"
+#include "src/error.h"
+#include "src/models.h"
+
+namespace {
+
+namespace po = boost::program_options;
+using dattn::DType;
+using dattn::Layout;
+using dattn::Tensor;
+
+// ================================================================== options
+
+struct Options {
+  int64_t batch = 1;
+  int64_t heads = 8;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 128;
+  int64_t seq_begin = 4096;
+  int64_t seq_end = 0;  // 0: seq_begin
+  int64_t seq_factor = 2;
+  std::string dtype_name = "bf16";
+  DType dtype = DType::bf16;
+  int causal = 1;
+  std::string strategy_name = "ring";
+  dattn::Strategy strategy = dattn::Strategy::ring;
+  int iters = 5;
+  int warmup = 1;
+  int check = 0;
+  int threads = 0;
+  std::string json;
+  bool scaling = false;
+};
+
+int world_rank() {
+  int rank = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+template <typename T>
+void require(bool ok, const char* option, const T& value, const char* expected) {
+  if (!ok) {
+    throw dattn::UsageError(
+        dattn::detail::cat("invalid ", option, " = ", value, ": expected ", expected));
+  }
+}
+
+// Parses and validates the command line; nullopt when --help or --version was answered.
+// Every rank parses the same arguments, so a UsageError is thrown on every rank alike.
+std::optional<Options> parse_options(int argc, char** argv) {
+  Options o;
+  bool help = false, version = false;
+  po::options_description desc(
+      "dattn-prefill-bench: distributed attention prefill benchmark\n"
+      "usage: mpiexec -n P dattn-prefill-bench [options]\noptions");
+  // clang-format off
+  desc.add_options()
+    ("batch,b", po::value(&o.batch)->default_value(o.batch), "batch size B")
+    ("heads,H", po::value(&o.heads)->default_value(o.heads), "query heads H_q")
+    ("kv-heads,G", po::value(&o.kv_heads)->default_value(o.kv_heads),
+     "key/value heads H_kv (H_q must be a multiple)")
+    ("head-dim,d", po::value(&o.head_dim)->default_value(o.head_dim), "head dimension D")
+    ("seq-begin,s", po::value(&o.seq_begin)->default_value(o.seq_begin),
+     "first global sequence length")
+    ("seq-end,e", po::value(&o.seq_end)->value_name("arg (=seq-begin)"),
+     "last global sequence length")
+    ("seq-factor,f", po::value(&o.seq_factor)->default_value(o.seq_factor),
+     "sequence lengths s, s*f, s*f^2, ... <= e")
+    ("dtype,t", po::value(&o.dtype_name)->default_value(o.dtype_name),
+     "storage dtype: fp32, bf16 or fp16")
+    ("causal,c", po::value(&o.causal)->default_value(o.causal), "causal mask (0 or 1)")
+    ("strategy,a", po::value(&o.strategy_name)->default_value(o.strategy_name),
+     "schedule: ring")
+    ("iters,n", po::value(&o.iters)->default_value(o.iters), "timed iterations")
+    ("warmup,w", po::value(&o.warmup)->default_value(o.warmup), "untimed warm-up iterations")
+    ("check,k", po::value(&o.check)->default_value(o.check),
+     "compare sampled rows against the float64 reference (0 or 1)")
+    ("threads,T", po::value(&o.threads)->default_value(o.threads),
+     "OpenMP threads per rank (0: OMP_NUM_THREADS, else cores per rank)")
+    ("json,J", po::value(&o.json)->value_name("FILE"), "also write the rows as JSON to FILE")
+    ("scaling", po::bool_switch(&o.scaling),
+     "after the table, time 1 rank x P*T threads on the largest seq (parallel efficiency)")
+    ("help,h", po::bool_switch(&help), "print this help")
+    ("version,V", po::bool_switch(&version), "print the version");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw dattn::UsageError(std::string(e.what()));
+  }
+  if (help || version) {
+    if (world_rank() == 0) {
+      if (help) std::cout << desc << "\n";
+      if (version) std::cout << "dattn-prefill-bench " << DATTN_VERSION << "\n";
+    }
+    return std::nullopt;
+  }
+
+  if (!vm.count("seq-end")) o.seq_end = o.seq_begin;
+  require(o.batch >= 1, "--batch", o.batch, ">= 1");
+  require(o.heads >= 1, "--heads", o.heads, ">= 1");
+  require(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
+          dattn::detail::cat(">= 1 and dividing --heads (", o.heads, ")").c_str());
+  require(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  require(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
+  require(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
+  require(o.seq_factor >= 2 || o.seq_end == o.seq_begin, "--seq-factor", o.seq_factor,
+          ">= 2 (or --seq-end equal to --seq-begin)");
+  require(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
+  require(o.iters >= 1, "--iters", o.iters, ">= 1");
+  require(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
+  require(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
+  require(o.threads >= 0, "--threads", o.threads, ">= 0");
+  try {
+    o.dtype = dattn::parse_dtype(o.dtype_name);
+  } catch (const dattn::Error&) {
+    require(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+  }
+  try {
+    o.strategy = dattn::parse_strategy(o.strategy_name);
+  } catch (const dattn::Error&) {
+    require(false, "--strategy", o.strategy_name, "ring");
+  }
+  return o;
+}
+
+// The global sequence lengths s, s*f, ... <= e.
+std::vector<int64_t> sequence_lengths(const Options& o) {
+  std::vector<int64_t> out;
+  for (int64_t s = o.seq_begin; s <= o.seq_end; s *= o.seq_factor) {
+    out.push_back(s);
+    if (o.seq_factor < 2 || s > std::numeric_limits<int64_t>::max() / o.seq_factor) break;
+  }
+  return out;
+}
+
+// ================================================================== inputs
+
+// Inputs come from a hash of (tensor, batch, global position, head, dim): every rank generates
+// its own shard, the values do not depend on the rank count, and the float64 check regenerates
+// any key row without holding the global tensors (S may be far larger than one rank's memory).
+enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The key of one row (one token, one head) of one tensor.
+inline uint64_t row_key(TensorId id, int64_t b, int64_t pos, int64_t h) {
+  uint64_t x = mix64(id);
+  x = mix64(x ^ uint64_t(b));
+  x = mix64(x ^ uint64_t(pos));
+  return mix64(x ^ uint64_t(h));
+}
+
+// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype: the value the kernel reads.
+inline float input_value(uint64_t row, int64_t d, DType dtype) {
+  float x = float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f;
+  switch (dtype) {
+    case DType::f32:
+      return x;
+    case DType::bf16:
+      return dattn::to_float(dattn::to_bf16(x));
+    case DType::f16:
+      return dattn::to_float(dattn::to_f16(x));
+  }
+  return x;
+}
+
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+Tensor make_shard(TensorId id, const Layout& layout, int rank, int64_t batch, int64_t heads,
+                  int64_t dim, DType dtype) {
+  const int64_t len = layout.local_len(rank);
+  Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t pos = layout.global_position(rank, i);
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t row = row_key(id, b, pos, h);
+        const int64_t base = ((b * len + i) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          t.set(base + d, input_value(row, d, dtype));
+      }
+    }
+  }
+  return t;
+}
+
+// ================================================================== float64 check
+
+struct Tolerance {
+  double out_abs, out_rel, lse_abs, lse_rel;
+};
+
+// The kernel reads the same stored values as the reference and computes in fp32 whatever the
+// storage dtype, so only fp32 rounding remains (measured max |err|: ~1e-7 for out, ~1e-6 for lse,
+// S <= 16384, fp32 and bf16 alike). Outputs are means of many values in [-1, 1), so |out| is
+// ~1e-2 at S = 4096 and shrinks with S: the brief's first bf16 bound (2e-2 absolute) would
+// accept out = 0. bf16/fp16 keep a 2x margin over fp32 for backends that round P to 16 bits.
+Tolerance tolerance_for(DType dtype) {
+  if (dtype == DType::f32) return {1e-4, 1e-4, 1e-4, 1e-4};
+  return {2e-4, 2e-3, 2e-4, 2e-4};
+}
+
+struct CheckStats {
+  uint64_t checked = 0;  // elements compared (out and lse)
+  uint64_t wrong = 0;    // elements over tolerance
+  double max_err_out = 0, max_err_lse = 0;
+};
+
+// Up to 32 local query rows spread evenly over the shard, the first and the last included.
+std::vector<int64_t> sample_rows(int64_t len) {
+  const int64_t n = std::min<int64_t>(32, len);
+  std::vector<int64_t> rows;
+  for (int64_t j = 0; j < n; ++j)
+    rows.push_back(n == 1 ? 0 : j * (len - 1) / (n - 1));
+  return rows;
+}
+
+// Compares the sampled rows of this rank's result with an exact float64 attention of those rows
+// against ALL global keys, regenerated chunk by chunk (O(rows * S * H * D) work, O(chunk) memory).
+// Online softmax in float64 over key chunks; the mask is evaluated on global positions.
+CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, int rank,
+                              const dattn::AttnSpec& spec, int64_t batch, DType dtype) {
+  const int64_t len = layout.local_len(rank), S = layout.global_seq();
+  const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  const int64_t group = H / G;
+  const double scale = double(spec.scale());
+  const Tolerance tol = tolerance_for(dtype);
+  const std::vector<int64_t> rows = sample_rows(len);
+  const int64_t R = int64_t(rows.size());
+  CheckStats stats;
+  if (R == 0) return stats;
+
+  std::vector<int64_t> pos(size_t(R), 0);
+  int64_t max_pos = 0;
+  for (int64_t j = 0; j < R; ++j) {
+    pos[size_t(j)] = layout.global_position(rank, rows[size_t(j)]);
+    max_pos = std::max(max_pos, pos[size_t(j)]);
+  }
+  // Keys past the last sampled query are invisible under a causal mask: no need to visit them.
+  const int64_t key_end = spec.mask.kind == dattn::Mask::Kind::causal ? max_pos + 1 : S;
+  constexpr int64_t kChunk = 256;
+  const float* out = res.out.ptr<float>();
+  const float* lse = res.lse.ptr<float>();
+
+  for (int64_t b = 0; b < batch; ++b) {
+    // Query rows and the running state (max m, sum l, weighted sum acc) per (row, head).
+    std::vector<double> qv(size_t(R * H * D)), m(size_t(R * H), -INFINITY), l(size_t(R * H), 0.0),
+        acc(size_t(R * H * Dv), 0.0);
+    for (int64_t j = 0; j < R; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        const uint64_t row = row_key(kQ, b, pos[size_t(j)], h);
+        for (int64_t d = 0; d < D; ++d)
+          qv[size_t((j * H + h) * D + d)] = input_value(row, d, dtype);
+      }
+    std::vector<double> kc(size_t(kChunk * G * D)), vc(size_t(kChunk * G * Dv));
+    for (int64_t k0 = 0; k0 < key_end; k0 += kChunk) {
+      const int64_t kn = std::min(kChunk, key_end - k0);
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < kn; ++c)
+        for (int64_t g = 0; g < G; ++g) {
+          const uint64_t krow = row_key(kK, b, k0 + c, g), vrow = row_key(kV, b, k0 + c, g);
+          for (int64_t d = 0; d < D; ++d)
+            kc[size_t((c * G + g) * D + d)] = input_value(krow, d, dtype);
+          for (int64_t d = 0; d < Dv; ++d)
+            vc[size_t((c * G + g) * Dv + d)] = input_value(vrow, d, dtype);
+        }
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t jh = 0; jh < R * H; ++jh) {
+        const int64_t j = jh / H, h = jh % H, g = h / group;
+        const double* q = &qv[size_t(jh * D)];
+        double s[kChunk];
+        double chunk_max = -INFINITY;
+        for (int64_t c = 0; c < kn; ++c) {
+          if (!spec.mask.visible(pos[size_t(j)], k0 + c)) {
+            s[c] = -INFINITY;
+            continue;
+          }
+          const double* kr = &kc[size_t((c * G + g) * D)];
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d)
+            dot += q[d] * kr[d];
+          s[c] = dot * scale;
+          chunk_max = std::max(chunk_max, s[c]);
+        }
+        if (chunk_max == -INFINITY) continue;  // no visible key in this chunk
+        double& mj = m[size_t(jh)];
+        double* a = &acc[size_t(jh * Dv)];
+        if (chunk_max > mj) {
+          const double r = std::exp(mj - chunk_max);  // exp(-inf) = 0 on the first visible chunk
+          l[size_t(jh)] *= r;
+          for (int64_t d = 0; d < Dv; ++d)
+            a[d] *= r;
+          mj = chunk_max;
+        }
+        for (int64_t c = 0; c < kn; ++c) {
+          if (s[c] == -INFINITY) continue;
+          const double w = std::exp(s[c] - mj);
+          l[size_t(jh)] += w;
+          const double* vr = &vc[size_t((c * G + g) * Dv)];
+          for (int64_t d = 0; d < Dv; ++d)
+            a[d] += w * vr[d];
+        }
+      }
+    }
+    // Compare out (all Dv values, all heads) and lse of the sampled rows.
+    for (int64_t j = 0; j < R; ++j) {
+      const int64_t i = rows[size_t(j)];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t jh = j * H + h;
+        const bool empty = l[size_t(jh)] == 0.0;
+        const double ref_lse = empty ? -INFINITY : m[size_t(jh)] + std::log(l[size_t(jh)]);
+        const double got_lse = lse[(b * H + h) * len + i];
+        stats.checked += 1;
+        if (empty || !std::isfinite(got_lse)) {
+          if (!(empty && got_lse == -INFINITY)) stats.wrong += 1;
+        } else {
+          const double err = std::abs(got_lse - ref_lse);
+          stats.max_err_lse = std::max(stats.max_err_lse, err);
+          if (!(err <= tol.lse_abs + tol.lse_rel * std::abs(ref_lse))) stats.wrong += 1;
+        }
+        for (int64_t d = 0; d < Dv; ++d) {
+          const double ref = empty ? 0.0 : acc[size_t(jh * Dv + d)] / l[size_t(jh)];
+          const double got = out[((b * len + i) * H + h) * Dv + d];
+          const double err = std::abs(got - ref);
+          stats.checked += 1;
+          if (std::isfinite(err)) stats.max_err_out = std::max(stats.max_err_out, err);
+          if (!(err <= tol.out_abs + tol.out_rel * std::abs(ref))) stats.wrong += 1;
+        }
+      }
+    }
+  }
+  return stats;
+}
+
+// ================================================================== measurement
+
+struct Row {
+  int64_t seq = 0, local_seq = 0;
+  double time_ms = 0, tflops_per_rank = 0, sent_mb_per_rank = 0, model_mb_per_rank = 0;
+  uint64_t byte_mismatch_ranks = 0;  // ranks whose counted bytes differ from the model
+  bool checked = false;
+  CheckStats check;  // summed (wrong, checked) and maxed (errors) over ranks
+  uint64_t wrong() const { return byte_mismatch_ranks + (checked ? check.wrong : 0); }
+};
+
+double allreduce_max(double v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+  return v;
+}
+
+uint64_t allreduce_u64(dattn::Runtime& rt, uint64_t v, dattn::ReduceOp op) {
+  uint64_t out = 0;
+  rt.world().allreduce_u64(&v, &out, 1, op);
+  return out;
+}
+
+// Runs one sequence length: generate the shard, warm up, time, count bytes, check.
+Row run_size(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec, int64_t S) {
+  const int P = rt.cp_size(), r = rt.cp_rank();
+  const Layout layout = Layout::contiguous(S, P);
+  Row row;
+  row.seq = S;
+  row.local_seq = layout.max_local_len();
+
+  const Tensor q = make_shard(kQ, layout, r, o.batch, spec.heads_q, spec.head_dim, o.dtype);
+  const Tensor k = make_shard(kK, layout, r, o.batch, spec.heads_kv, spec.head_dim, o.dtype);
+  const Tensor v = make_shard(kV, layout, r, o.batch, spec.heads_kv, spec.dim_v(), o.dtype);
+
+  dattn::Partial res;
+  for (int w = 0; w < o.warmup; ++w)
+    res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+  rt.cp().reset_counters();
+  double seconds = 0;
+  for (int it = 0; it < o.iters; ++it) {
+    rt.world().barrier();
+    const double t0 = MPI_Wtime();
+    res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+    seconds += MPI_Wtime() - t0;
+  }
+  const double mean_s = allreduce_max(seconds / o.iters);
+  row.time_ms = mean_s * 1e3;
+  row.tflops_per_rank = dattn::attention_flops(o.batch, S, S, spec) / P / mean_s / 1e12;
+
+  // Bytes: point-to-point payload ("send") counted by the communicator, against the model.
+  const uint64_t sent = rt.cp().counters().bytes("send");
+  const uint64_t model = dattn::ring_send_bytes(layout, spec, o.batch, o.dtype, r);
+  const bool mismatch = o.strategy == dattn::Strategy::ring && sent != model * uint64_t(o.iters);
+  row.sent_mb_per_rank = double(allreduce_u64(rt, sent, dattn::ReduceOp::max)) / o.iters / 1e6;
+  row.model_mb_per_rank = double(allreduce_u64(rt, model, dattn::ReduceOp::max)) / 1e6;
+  row.byte_mismatch_ranks = allreduce_u64(rt, mismatch ? 1 : 0, dattn::ReduceOp::sum);
+
+  if (o.check) {
+    CheckStats c = check_sampled_rows(res, layout, r, spec, o.batch, o.dtype);
+    row.checked = true;
+    row.check.checked = allreduce_u64(rt, c.checked, dattn::ReduceOp::sum);
+    row.check.wrong = allreduce_u64(rt, c.wrong, dattn::ReduceOp::sum);
+    row.check.max_err_out = allreduce_max(c.max_err_out);
+    row.check.max_err_lse = allreduce_max(c.max_err_lse);
+  }
+  return row;
+}
+
+struct Scaling {
+  int64_t seq = 0;
+  int threads_t1 = 0;
+  double t1_ms = 0, tp_ms = 0, efficiency = 0;
+  int rank0_cpus = 0;  // CPUs rank 0's threads could run on during the T1 runs
+};
+
+// The union of the affinity masks of the ranks on this node. Collective over rt.world().
+// mpiexec binds each rank to its own core(s) by default (Open MPI: to a core for P <= 2), so
+// rank 0 alone would run its P*T threads on its own core only; T1 must use the cores that the
+// P ranks used for TP.
+cpu_set_t node_cpu_union(dattn::Runtime& rt) {
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) DATTN_THROW("sched_getaffinity failed");
+  const auto node = rt.world().split_node();
+  std::vector<cpu_set_t> all(size_t(node->size()));
+  node->allgather(&mine, all.data(), sizeof(cpu_set_t));
+  cpu_set_t u;
+  CPU_ZERO(&u);
+  for (const cpu_set_t& a : all)
+    CPU_OR(&u, &u, &a);
+  return u;
+}
+
+// Rank 0 alone computes the whole problem with attention_local on P*T threads allowed on the
+// node's CPUs (mean over the same iterations, after the same warm-up) while the other ranks
+// sleep in an MPI_Ibarrier poll, leaving their cores to it. Collective over the world; fills
+// t1_ms and rank0_cpus on rank 0.
+void time_single_rank(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec,
+                      Scaling& s) {
+  const cpu_set_t cpus = node_cpu_union(rt);
+  DATTN_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+  MPI_Request done = MPI_REQUEST_NULL;
+  if (rt.rank() == 0) {
+    const int saved_threads = omp_get_max_threads(), threads = s.threads_t1;
+    omp_set_num_threads(threads);
+    // Widen every team thread's affinity, then put each one back afterwards.
+    std::vector<cpu_set_t> saved_masks(static_cast<size_t>(threads));
+#pragma omp parallel num_threads(threads)
+    {
+      cpu_set_t& m = saved_masks[size_t(omp_get_thread_num())];
+      CPU_ZERO(&m);
+      sched_getaffinity(0, sizeof(m), &m);
+      sched_setaffinity(0, sizeof(cpus), &cpus);
+    }
+    s.rank0_cpus = CPU_COUNT(&cpus);
+    {
+      const Layout whole = Layout::contiguous(s.seq, 1);
+      const Tensor q = make_shard(kQ, whole, 0, o.batch, spec.heads_q, spec.head_dim, o.dtype);
+      const Tensor k = make_shard(kK, whole, 0, o.batch, spec.heads_kv, spec.head_dim, o.dtype);
+      const Tensor v = make_shard(kV, whole, 0, o.batch, spec.heads_kv, spec.dim_v(), o.dtype);
+      for (int w = 0; w < o.warmup; ++w)
+        (void)dattn::attention_local(q, k, v, spec);
+      double seconds = 0;
+      for (int it = 0; it < o.iters; ++it) {
+        const double t0 = MPI_Wtime();
+        (void)dattn::attention_local(q, k, v, spec);
+        seconds += MPI_Wtime() - t0;
+      }
+      s.t1_ms = seconds / o.iters * 1e3;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+      const cpu_set_t& m = saved_masks[size_t(omp_get_thread_num())];
+      sched_setaffinity(0, sizeof(m), &m);
+    }
+    omp_set_num_threads(saved_threads);
+    DATTN_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &done));
+    DATTN_MPI_CHECK(MPI_Wait(&done, MPI_STATUS_IGNORE));
+  } else {
+    // A blocking MPI wait spins a core; poll gently instead.
+    DATTN_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &done));
+    int flag = 0;
+    while (!flag) {
+      DATTN_MPI_CHECK(MPI_Test(&done, &flag, MPI_STATUS_IGNORE));
+      if (!flag) usleep(1000);
+    }
+  }
+  s.efficiency = s.t1_ms / s.tp_ms;
+}
+
+// ================================================================== report
+
+const dattn::report::Table& table() {
+  static const dattn::report::Table t({{"seq", "(tokens)", 9},
+                                       {"local_seq", "(tokens)", 10},
+                                       {"time", "(ms)", 11},
+                                       {"TFLOP/s", "(per rank)", 11},
+                                       {"sent", "(MB/rank)", 11},
+                                       {"model", "(MB/rank)", 11},
+                                       {"#wrong", "", 7}});
+  return t;
+}
+
+void print_row(const Row& r) {
+  using dattn::report::fixed;
+  const std::string wrong =
+      r.checked || r.byte_mismatch_ranks > 0 ? std::to_string(r.wrong()) : "N/A";
+  table().print_row(stdout, {std::to_string(r.seq), std::to_string(r.local_seq),
+                             fixed(r.time_ms, 3), fixed(r.tflops_per_rank, 4),
+                             fixed(r.sent_mb_per_rank, 3), fixed(r.model_mb_per_rank, 3), wrong});
+  std::fflush(stdout);
+}
+
+std::string row_json(const Row& r) {
+  dattn::report::JsonObject j;
+  j.add("seq", r.seq)
+      .add("local_seq", r.local_seq)
+      .add("time_ms", r.time_ms)
+      .add("tflops_per_rank", r.tflops_per_rank)
+      .add("sent_mb_per_rank", r.sent_mb_per_rank)
+      .add("model_mb_per_rank", r.model_mb_per_rank)
+      .add("byte_mismatch_ranks", int64_t(r.byte_mismatch_ranks));
+  if (r.checked) {
+    j.add("wrong", int64_t(r.wrong()))
+        .add("checked_elements", int64_t(r.check.checked))
+        .add("max_err_out", r.check.max_err_out)
+        .add("max_err_lse", r.check.max_err_lse);
+  } else {
+    j.add_raw("wrong", r.byte_mismatch_ranks > 0 ? std::to_string(r.wrong()) : "null");
+  }
+  return j.str();
+}
+
+// ================================================================== main
+
+int prefill_bench(int argc, char** argv) {
+  const std::optional<Options> parsed = parse_options(argc, argv);
+  if (!parsed) return 0;
+  const Options& o = *parsed;
+
+  dattn::RuntimeOptions ropts;
+  ropts.threads = o.threads;
+  dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
+  const int P = rt.cp_size(), T = rt.threads();
+  const bool root = rt.rank() == 0;
+
+  dattn::AttnSpec spec;
+  spec.heads_q = o.heads;
+  spec.heads_kv = o.kv_heads;
+  spec.head_dim = o.head_dim;
+  spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
+  spec.validate();
+
+  const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
+  const std::string config = dattn::detail::cat(
+      "ranks ", rt.size(), " threads/rank ", T, " strategy ", dattn::strategy_name(o.strategy),
+      " layout contiguous mask ", spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype), " batch ",
+      o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim, " iters ",
+      o.iters, " warmup ", o.warmup, " check ", o.check);
+  if (root) {
+    dattn::report::print_header(stdout, "dattn prefill benchmark", {config}, ranks);
+    table().print_heading(stdout);
+    std::fflush(stdout);
+  }
+
+  std::vector<Row> rows;
+  for (int64_t S : sequence_lengths(o)) {
+    const double gflop_rank = dattn::attention_flops(o.batch, S, S, spec) / P / 1e9;
+    if (root && gflop_rank * (o.iters + o.warmup) > 200) {  // more than a few seconds
+      std::fprintf(stderr, "# running seq=%lld (%.0f GFLOP per rank per iteration) ...\n",
+                   static_cast<long long>(S), gflop_rank);
+    }
+    rows.push_back(run_size(rt, o, spec, S));
+    if (root) print_row(rows.back());
+  }
+
+  std::optional<Scaling> scaling;
+  if (o.scaling) {
+    Scaling s;
+    s.seq = rows.back().seq;
+    s.threads_t1 = P * T;
+    s.tp_ms = rows.back().time_ms;
+    if (root) {
+      std::fprintf(stderr, "# scaling: rank 0 alone, seq=%lld on %d threads ...\n",
+                   static_cast<long long>(s.seq), s.threads_t1);
+    }
+    time_single_rank(rt, o, spec, s);
+    scaling = s;
+  }
+
+  // ---------------------------------------------------------------- footer
+  uint64_t wrong = 0, byte_mismatch = 0;
+  double tflops = 0, max_err_out = 0, max_err_lse = 0;
+  for (const Row& r : rows) {
+    wrong += r.wrong();
+    byte_mismatch += r.byte_mismatch_ranks;
+    tflops += r.tflops_per_rank / double(rows.size());
+    max_err_out = std::max(max_err_out, r.check.max_err_out);
+    max_err_lse = std::max(max_err_lse, r.check.max_err_lse);
+  }
+  if (root) {
+    using dattn::report::print_footer_line;
+    using dattn::report::sci;
+    const Tolerance tol = tolerance_for(o.dtype);
+    print_footer_line(stdout, "Out of bounds values",
+                      std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
+    print_footer_line(stdout, "Avg TFLOP/s per rank", dattn::report::fixed(tflops, 4));
+    print_footer_line(stdout, "Byte model mismatches",
+                      std::to_string(byte_mismatch) +
+                          " (ranks x sizes whose counted bytes differ from ring_send_bytes)");
+    std::printf(
+        "# Check: #wrong = elements over tolerance vs a float64 reference (with --check 1:\n"
+        "#   up to 32 sampled query rows per rank against all global keys, every head, out and\n"
+        "#   lse; N/A without it) + one per rank whose sent bytes differ from the byte model.\n"
+        "# Check: time = max over ranks of the mean per-iteration wall time; TFLOP/s per rank =\n"
+        "#   attention_flops / P / time; sent = point-to-point payload per rank per iteration,\n"
+        "#   max over ranks (1 MB = 1e6 B); model = dattn::ring_send_bytes, max over ranks.\n");
+    if (o.check) {
+      std::printf(
+          "# Check: tolerance out %g + %g*|ref|, lse %g + %g*|ref|; measured max |err| "
+          "out %s, lse %s\n",
+          tol.out_abs, tol.out_rel, tol.lse_abs, tol.lse_rel, sci(max_err_out, 2).c_str(),
+          sci(max_err_lse, 2).c_str());
+    }
+    if (scaling) {
+      const Scaling& s = *scaling;
+      std::printf(
+          "# scaling: seq %lld, T1 (1 rank x %d threads) = %.3f ms, TP (%d ranks x %d threads) = "
+          "%.3f ms, parallel efficiency T1/TP = %.2f (target >= 0.85)\n",
+          static_cast<long long>(s.seq), s.threads_t1, s.t1_ms, P, T, s.tp_ms, s.efficiency);
+      std::printf(
+          "# scaling: T1 and TP are means over %d iterations after %d warm-up; T1 ran on the %d "
+          "cpu(s) of the node's ranks (union of their affinity) while the other ranks slept\n",
+          o.iters, o.warmup, s.rank0_cpus);
+      if (s.rank0_cpus < s.threads_t1) {
+        std::printf("# scaling: WARNING: %d threads on %d cpu(s): T1 is oversubscribed\n",
+                    s.threads_t1, s.rank0_cpus);
+      }
+    }
+    std::fflush(stdout);
+
+    if (!o.json.empty()) {
+      dattn::report::JsonObject cfg;
+      cfg.add("program", "dattn-prefill-bench")
+          .add("version", DATTN_VERSION)
+          .add("ranks", rt.size())
+          .add("threads_per_rank", T)
+          .add("strategy", dattn::strategy_name(o.strategy))
+          .add("layout", "contiguous")
+          .add("mask", spec.mask.str())
+          .add("dtype", dattn::dtype_name(o.dtype))
+          .add("batch", o.batch)
+          .add("heads", o.heads)
+          .add("kv_heads", o.kv_heads)
+          .add("head_dim", o.head_dim)
+          .add("iters", o.iters)
+          .add("warmup", o.warmup)
+          .add("check", o.check == 1)
+          .add("with_cuda", bool(DATTN_WITH_CUDA))
+          .add("with_nccl", bool(DATTN_WITH_NCCL));
+      std::vector<std::string> jrows;
+      for (const Row& r : rows)
+        jrows.push_back(row_json(r));
+      dattn::report::JsonObject top;
+      top.add_raw("config", cfg.str())
+          .add_raw("rows", dattn::report::json_array(jrows))
+          .add("wrong", int64_t(wrong))
+          .add("avg_tflops_per_rank", tflops);
+      if (scaling) {
+        dattn::report::JsonObject js;
+        js.add("seq", scaling->seq)
+            .add("t1_threads", scaling->threads_t1)
+            .add("t1_ms", scaling->t1_ms)
+            .add("tp_ranks", P)
+            .add("tp_threads_per_rank", T)
+            .add("tp_ms", scaling->tp_ms)
+            .add("efficiency", scaling->efficiency)
+            .add("target", 0.85)
+            .add("statistic", "mean")
+            .add("rank0_cpus", scaling->rank0_cpus);
+        top.add_raw("scaling", js.str());
+      }
+      dattn::report::write_text_file(o.json, top.str());
+    }
+  }
+  return wrong > 0 ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return dattn::run_program(argc, argv, prefill_bench);
+}

@@ -596,7 +596,10 @@ int prefill_bench(int argc, char** argv) {
                    static_cast<long long>(S), gflop_rank);
     }
     rows.push_back(run_size(rt, o, spec, S));
-    if (root) print_row(rows.back());
+    if (root) {
+      print_row(rows.back());
+      std::fflush(stdout);  // rows appear as they finish, in order with the progress lines
+    }
   }
 
   std::optional<Scaling> scaling;

@@ -44,8 +44,9 @@ void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
   T* b = static_cast<T*>(inout);
   for (int i = 0; i < *len; ++i) {
     const float x = to_float(a[i]), y = to_float(b[i]);
-    const float r = Op == ReduceOp::sum ? x + y : Op == ReduceOp::max ? std::fmax(x, y)
-                                                                      : std::fmin(x, y);
+    const float r = Op == ReduceOp::sum   ? x + y
+                    : Op == ReduceOp::max ? std::fmax(x, y)
+                                          : std::fmin(x, y);
     if constexpr (std::is_same_v<T, bf16>)
       b[i] = to_bf16(r);
     else
@@ -64,20 +65,27 @@ MPI_Op op16(ReduceOp op) {
   return ops[i];
 }
 
-MPI_Datatype mpi_type(DType t) { return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T; }
+MPI_Datatype mpi_type(DType t) {
+  return t == DType::f32 ? MPI_FLOAT : MPI_UINT16_T;
+}
 
 MPI_Op mpi_op(ReduceOp op, DType t) {
   if (t == DType::bf16) return op16<bf16>(op);
   if (t == DType::f16) return op16<f16>(op);
   switch (op) {
-    case ReduceOp::sum: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
+    case ReduceOp::sum:
+      return MPI_SUM;
+    case ReduceOp::max:
+      return MPI_MAX;
+    case ReduceOp::min:
+      return MPI_MIN;
   }
   return MPI_SUM;
 }
 
-MPI_Op mpi_op(ReduceOp op) { return mpi_op(op, DType::f32); }
+MPI_Op mpi_op(ReduceOp op) {
+  return mpi_op(op, DType::f32);
+}
 
 int as_int(size_t n, const char* what) {
   if (n > size_t(INT_MAX))

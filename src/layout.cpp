@@ -35,7 +35,8 @@ const std::vector<Run>& Layout::runs(int rank) const {
 
 int64_t Layout::local_len(int rank) const {
   int64_t n = 0;
-  for (const Run& run : runs(rank)) n += run.length;
+  for (const Run& run : runs(rank))
+    n += run.length;
   return n;
 }
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
@@ -91,9 +92,16 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   // Each thread runs single-threaded BLAS on its own tiles.
   openblas_set_num_threads(1);
 
+  // Workspaces are allocated here, before the parallel region, so that running out of memory
+  // is a dattn::Error and not an exception escaping an OpenMP thread (std::terminate).
+  std::vector<Workspace> workspaces;
+  workspaces.reserve(size_t(omp_get_max_threads()));
+  for (int t = 0; t < omp_get_max_threads(); ++t)
+    workspaces.emplace_back(D, Dv);
+
 #pragma omp parallel
   {
-    Workspace ws(D, Dv);
+    Workspace& ws = workspaces[size_t(omp_get_thread_num())];
 #pragma omp for collapse(3) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < Hq; ++h) {

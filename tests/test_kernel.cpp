@@ -131,6 +131,9 @@ std::vector<KernelCase> kernel_cases() {
   add({"S300_sharp_bf16", 1, 300, 300, 2, 2, 128, 0, false, DType::bf16, 0, 0, 0.f, 3.f});
   // Exact tile multiples, and causal tile boundaries one position either side of "all visible".
   add({"S256_exact_tiles_causal_f32", 1, 256, 256, 1, 1, 64, 0, true, DType::f32});
+  // Several query tiles (256) and key tiles (512), the last ones partial.
+  add({"S1100_D64_causal_f32", 1, 1100, 1100, 1, 1, 64, 0, true, DType::f32});
+  add({"S1100_D64_gqa4_bf16", 1, 1100, 1100, 4, 1, 64, 0, false, DType::bf16});
   add({"Sq128_at255_Sk512_causal_f32", 1, 128, 512, 2, 1, 64, 0, true, DType::f32, 255, 0});
   add({"Sq128_at254_Sk512_causal_f32", 1, 128, 512, 2, 1, 64, 0, true, DType::f32, 254, 0});
   add({"Sq129_at256_Sk513_causal_bf16", 1, 129, 513, 2, 2, 64, 0, true, DType::bf16, 256, 0});

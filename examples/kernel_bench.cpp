@@ -46,14 +46,6 @@ struct Options {
   std::string json;
 };
 
-template <typename T>
-void require(bool ok, const char* option, const T& value, const char* expected) {
-  if (!ok) {
-    throw dattn::UsageError(
-        dattn::detail::cat("invalid ", option, " = ", value, ": expected ", expected));
-  }
-}
-
 // "16384,65536" -> {16384, 65536}, sorted ascending (the peak RSS is a high-water mark).
 std::vector<int64_t> parse_seq_list(const std::string& text) {
   std::vector<int64_t> out;
@@ -68,8 +60,8 @@ std::vector<int64_t> parse_seq_list(const std::string& text) {
     } catch (const std::exception&) {
       used = 0;
     }
-    require(used == item.size() && v >= 1, "--rss-seqs", text,
-            "a comma-separated list of lengths >= 1");
+    dattn::require_option(used == item.size() && v >= 1, "--rss-seqs", text,
+                          "a comma-separated list of lengths >= 1");
     out.push_back(v);
   }
   std::sort(out.begin(), out.end());
@@ -103,27 +95,22 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dattn::UsageError(std::string(e.what()));
-  }
+  dattn::parse_command_line(argc, argv, desc, vm);
   if (help) std::cout << desc << "\n";
   if (version) std::cout << "dattn-kernel-bench " << DATTN_VERSION << "\n";
   if (help || version) return std::nullopt;
 
-  require(o.threads >= 1, "--threads", o.threads, ">= 1");
-  require(o.heads >= 1, "--heads", o.heads, ">= 1");
-  require(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
-  require(o.seq >= 1, "--seq", o.seq, ">= 1");
-  require(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
-  require(o.iters >= 1, "--iters", o.iters, ">= 1");
-  require(o.gemm_n >= 1, "--gemm-n", o.gemm_n, ">= 1");
+  dattn::require_option(o.threads >= 1, "--threads", o.threads, ">= 1");
+  dattn::require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
+  dattn::require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  dattn::require_option(o.seq >= 1, "--seq", o.seq, ">= 1");
+  dattn::require_option(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
+  dattn::require_option(o.iters >= 1, "--iters", o.iters, ">= 1");
+  dattn::require_option(o.gemm_n >= 1, "--gemm-n", o.gemm_n, ">= 1");
   try {
     o.dtype = dattn::parse_dtype(o.dtype_name);
   } catch (const dattn::Error&) {
-    require(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+    dattn::require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
   }
   o.rss_seqs = parse_seq_list(o.rss_seqs_text);
   return o;

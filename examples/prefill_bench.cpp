@@ -60,14 +60,6 @@ int world_rank() {
   return rank;
 }
 
-template <typename T>
-void require(bool ok, const char* option, const T& value, const char* expected) {
-  if (!ok) {
-    throw dattn::UsageError(
-        dattn::detail::cat("invalid ", option, " = ", value, ": expected ", expected));
-  }
-}
-
 // Parses and validates the command line; nullopt when --help or --version was answered.
 // Every rank parses the same arguments, so a UsageError is thrown on every rank alike.
 std::optional<Options> parse_options(int argc, char** argv) {
@@ -107,12 +99,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
   po::variables_map vm;
-  try {
-    po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw dattn::UsageError(std::string(e.what()));
-  }
+  dattn::parse_command_line(argc, argv, desc, vm);
   if (help || version) {
     if (world_rank() == 0) {
       if (help) std::cout << desc << "\n";
@@ -122,29 +109,29 @@ std::optional<Options> parse_options(int argc, char** argv) {
   }
 
   if (!vm.count("seq-end")) o.seq_end = o.seq_begin;
-  require(o.batch >= 1, "--batch", o.batch, ">= 1");
-  require(o.heads >= 1, "--heads", o.heads, ">= 1");
-  require(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
-          dattn::detail::cat(">= 1 and dividing --heads (", o.heads, ")").c_str());
-  require(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
-  require(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
-  require(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
-  require(o.seq_factor >= 2 || o.seq_end == o.seq_begin, "--seq-factor", o.seq_factor,
-          ">= 2 (or --seq-end equal to --seq-begin)");
-  require(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
-  require(o.iters >= 1, "--iters", o.iters, ">= 1");
-  require(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
-  require(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
-  require(o.threads >= 0, "--threads", o.threads, ">= 0");
+  dattn::require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
+  dattn::require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
+  dattn::require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
+                        dattn::detail::cat(">= 1 and dividing --heads (", o.heads, ")"));
+  dattn::require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  dattn::require_option(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
+  dattn::require_option(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
+  dattn::require_option(o.seq_factor >= 2 || o.seq_end == o.seq_begin, "--seq-factor", o.seq_factor,
+                        ">= 2 (or --seq-end equal to --seq-begin)");
+  dattn::require_option(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
+  dattn::require_option(o.iters >= 1, "--iters", o.iters, ">= 1");
+  dattn::require_option(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
+  dattn::require_option(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
+  dattn::require_option(o.threads >= 0, "--threads", o.threads, ">= 0");
   try {
     o.dtype = dattn::parse_dtype(o.dtype_name);
   } catch (const dattn::Error&) {
-    require(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+    dattn::require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
   }
   try {
     o.strategy = dattn::parse_strategy(o.strategy_name);
   } catch (const dattn::Error&) {
-    require(false, "--strategy", o.strategy_name, "ring");
+    dattn::require_option(false, "--strategy", o.strategy_name, "ring");
   }
   return o;
 }

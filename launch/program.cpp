@@ -17,6 +17,18 @@ std::string host_name() {
   return buf;
 }
 
+void parse_command_line(int argc, char** argv,
+                        const boost::program_options::options_description& desc,
+                        boost::program_options::variables_map& vm) {
+  namespace po = boost::program_options;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(e.what());
+  }
+}
+
 int run_program(int argc, char** argv, const std::function<int(int, char**)>& body) {
   int provided = 0;
   if (MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {

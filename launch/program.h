@@ -3,9 +3,12 @@
 // is printed by each rank that hit it and the job is aborted, so that no rank hangs.
 #pragma once
 
+#include <boost/program_options.hpp>
 #include <functional>
 #include <stdexcept>
 #include <string>
+
+#include "src/error.h"
 
 namespace dattn {
 
@@ -14,6 +17,18 @@ class UsageError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Parses argv against desc into vm. Boost's errors (an unknown option, a bad value, a stray
+// positional word) become a UsageError.
+void parse_command_line(int argc, char** argv,
+                        const boost::program_options::options_description& desc,
+                        boost::program_options::variables_map& vm);
+
+// Throws UsageError "invalid OPTION = VALUE: expected EXPECTED" unless ok.
+template <typename T>
+void require_option(bool ok, const char* option, const T& value, const std::string& expected) {
+  if (!ok) throw UsageError(detail::cat("invalid ", option, " = ", value, ": expected ", expected));
+}
 
 // Initialises MPI (MPI_THREAD_FUNNELED), runs body, finalises MPI, and returns the exit code.
 int run_program(int argc, char** argv, const std::function<int(int, char**)>& body);

@@ -583,10 +583,7 @@ int prefill_bench(int argc, char** argv) {
                    static_cast<long long>(S), gflop_rank);
     }
     rows.push_back(run_size(rt, o, spec, S));
-    if (root) {
-      print_row(rows.back());
-      std::fflush(stdout);  // rows appear as they finish, in order with the progress lines
-    }
+    if (root) print_row(rows.back());
   }
 
   std::optional<Scaling> scaling;

@@ -143,7 +143,10 @@ double peak_rss_mib() {
 }
 
 void progress(const std::string& what, double gflop) {
-  if (gflop > 200) std::fprintf(stderr, "# running %s (%.0f GFLOP) ...\n", what.c_str(), gflop);
+  if (gflop > 200) {
+    std::fprintf(stdout, "# running %s (%.0f GFLOP) ...\n", what.c_str(), gflop);
+    std::fflush(stdout);
+  }
 }
 
 struct Timing {

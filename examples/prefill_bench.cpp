@@ -579,8 +579,9 @@ int prefill_bench(int argc, char** argv) {
   for (int64_t S : sequence_lengths(o)) {
     const double gflop_rank = dattn::attention_flops(o.batch, S, S, spec) / P / 1e9;
     if (root && gflop_rank * (o.iters + o.warmup) > 200) {  // more than a few seconds
-      std::fprintf(stderr, "# running seq=%lld (%.0f GFLOP per rank per iteration) ...\n",
+      std::fprintf(stdout, "# running seq=%lld (%.0f GFLOP per rank per iteration) ...\n",
                    static_cast<long long>(S), gflop_rank);
+      std::fflush(stdout);
     }
     rows.push_back(run_size(rt, o, spec, S));
     if (root) print_row(rows.back());
@@ -593,8 +594,9 @@ int prefill_bench(int argc, char** argv) {
     s.threads_t1 = P * T;
     s.tp_ms = rows.back().time_ms;
     if (root) {
-      std::fprintf(stderr, "# scaling: rank 0 alone, seq=%lld on %d threads ...\n",
+      std::fprintf(stdout, "# scaling: rank 0 alone, seq=%lld on %d threads ...\n",
                    static_cast<long long>(s.seq), s.threads_t1);
+      std::fflush(stdout);
     }
     time_single_rank(rt, o, spec, s);
     scaling = s;

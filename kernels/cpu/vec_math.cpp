@@ -1,4 +1,4 @@
-// Softmax row operations: portable C++ and an AVX-512 version chosen once at run time.
+// Softmax row operations: portable C++, AVX2 and AVX-512 versions, one chosen at load time.
 // Measured on a Sapphire-Rapids-class core: GCC does not vectorise the portable max and
 // exp-sum reductions (they stay scalar, ~40% of kernel time); the AVX-512 path makes them a
 // few percent of the tile GEMMs.
@@ -84,23 +84,75 @@ __attribute__((target("avx512f"))) float exp_shift_sum_avx512(float* x, int64_t 
   return _mm512_reduce_add_ps(acc);
 }
 
-const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+// AVX2 + FMA: 8 lanes, no masked loads (the tail goes to the portable loop) and no scalef
+// (2^n built from the exponent bits; n >= -126 here, so 2^n is a normal float).
+__attribute__((target("avx2,fma"))) __m256 exp256(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_GE_OQ);
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+  __m256 p = _mm256_set1_ps(kC[6]);
+  for (int i = 5; i >= 0; --i)
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kC[i]));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+__attribute__((target("avx2,fma"))) float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return std::fmax(_mm_cvtss_f32(h), row_max_portable(x + i, n - i));
+}
+
+__attribute__((target("avx2,fma"))) float exp_shift_sum_avx2(float* x, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum256(acc) + exp_shift_sum_portable(x + i, n - i, m);
+}
+
+enum class Isa { avx512, avx2, portable };
+const Isa kIsa = __builtin_cpu_supports("avx512f")                                 ? Isa::avx512
+                 : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::avx2
+                                                                                   : Isa::portable;
 #else
-const bool kHaveAvx512 = false;
+enum class Isa { portable };
+const Isa kIsa = Isa::portable;
 #endif
 
 }  // namespace
 
 float row_max(const float* x, int64_t n) {
 #if defined(__x86_64__)
-  if (kHaveAvx512) return row_max_avx512(x, n);
+  if (kIsa == Isa::avx512) return row_max_avx512(x, n);
+  if (kIsa == Isa::avx2) return row_max_avx2(x, n);
 #endif
   return row_max_portable(x, n);
 }
 
 float exp_shift_sum(float* x, int64_t n, float m) {
 #if defined(__x86_64__)
-  if (kHaveAvx512) return exp_shift_sum_avx512(x, n, m);
+  if (kIsa == Isa::avx512) return exp_shift_sum_avx512(x, n, m);
+  if (kIsa == Isa::avx2) return exp_shift_sum_avx2(x, n, m);
 #endif
   return exp_shift_sum_portable(x, n, m);
 }
@@ -111,7 +163,11 @@ void scale_row(float* x, int64_t n, float c) {
 }
 
 const char* vec_math_isa() {
-  return kHaveAvx512 ? "avx512" : "portable";
+#if defined(__x86_64__)
+  if (kIsa == Isa::avx512) return "avx512";
+  if (kIsa == Isa::avx2) return "avx2";
+#endif
+  return "portable";
 }
 
 }  // namespace dattn::cpu

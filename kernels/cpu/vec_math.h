@@ -1,6 +1,5 @@
-// Row operations of the CPU kernel's softmax: max, exp-and-sum, scale. An AVX-512 version is
-// picked at run time where the CPU has it; the portable version is plain C++ that the compiler
-// vectorises as far as the baseline ISA allows.
+// Row operations of the CPU kernel's softmax: max, exp-and-sum, scale. AVX-512 or AVX2 versions
+// are picked at run time where the CPU has them; the portable version is plain C++.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +12,7 @@ float row_max(const float* x, int64_t n);
 float exp_shift_sum(float* x, int64_t n, float m);
 // x[i] *= c.
 void scale_row(float* x, int64_t n, float c);
-// Which implementation runs here: "avx512" or "portable".
+// Which implementation runs here: "avx512", "avx2" or "portable".
 const char* vec_math_isa();
 
 }  // namespace dattn::cpu

@@ -130,44 +130,64 @@ __attribute__((target("avx2,fma"))) float exp_shift_sum_avx2(float* x, int64_t n
   return hsum256(acc) + exp_shift_sum_portable(x + i, n - i, m);
 }
 
-enum class Isa { avx512, avx2, portable };
-const Isa kIsa = __builtin_cpu_supports("avx512f")                                 ? Isa::avx512
-                 : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Isa::avx2
-                                                                                   : Isa::portable;
+const VecIsa kIsa = __builtin_cpu_supports("avx512f") ? VecIsa::avx512
+                    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                        ? VecIsa::avx2
+                        : VecIsa::portable;
 #else
-enum class Isa { portable };
-const Isa kIsa = Isa::portable;
+const VecIsa kIsa = VecIsa::portable;
 #endif
 
 }  // namespace
 
-float row_max(const float* x, int64_t n) {
+VecIsa vec_math_best_isa() {
+  return kIsa;
+}
+
+const char* vec_isa_name(VecIsa isa) {
+  switch (isa) {
+    case VecIsa::avx512:
+      return "avx512";
+    case VecIsa::avx2:
+      return "avx2";
+    case VecIsa::portable:
+      return "portable";
+  }
+  return "?";
+}
+
+const char* vec_math_isa() {
+  return vec_isa_name(kIsa);
+}
+
+float row_max(VecIsa isa, const float* x, int64_t n) {
 #if defined(__x86_64__)
-  if (kIsa == Isa::avx512) return row_max_avx512(x, n);
-  if (kIsa == Isa::avx2) return row_max_avx2(x, n);
+  if (isa == VecIsa::avx512) return row_max_avx512(x, n);
+  if (isa == VecIsa::avx2) return row_max_avx2(x, n);
 #endif
+  (void)isa;
   return row_max_portable(x, n);
 }
 
-float exp_shift_sum(float* x, int64_t n, float m) {
+float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m) {
 #if defined(__x86_64__)
-  if (kIsa == Isa::avx512) return exp_shift_sum_avx512(x, n, m);
-  if (kIsa == Isa::avx2) return exp_shift_sum_avx2(x, n, m);
+  if (isa == VecIsa::avx512) return exp_shift_sum_avx512(x, n, m);
+  if (isa == VecIsa::avx2) return exp_shift_sum_avx2(x, n, m);
 #endif
+  (void)isa;
   return exp_shift_sum_portable(x, n, m);
+}
+
+float row_max(const float* x, int64_t n) {
+  return row_max(kIsa, x, n);
+}
+float exp_shift_sum(float* x, int64_t n, float m) {
+  return exp_shift_sum(kIsa, x, n, m);
 }
 
 void scale_row(float* x, int64_t n, float c) {
   for (int64_t i = 0; i < n; ++i)
     x[i] *= c;
-}
-
-const char* vec_math_isa() {
-#if defined(__x86_64__)
-  if (kIsa == Isa::avx512) return "avx512";
-  if (kIsa == Isa::avx2) return "avx2";
-#endif
-  return "portable";
 }
 
 }  // namespace dattn::cpu

@@ -6,13 +6,24 @@
 
 namespace dattn::cpu {
 
+// The instruction sets the row operations exist for, best last.
+enum class VecIsa { portable, avx2, avx512 };
+// The best one this CPU runs (what the kernel uses).
+VecIsa vec_math_best_isa();
+const char* vec_isa_name(VecIsa isa);
+
 // Maximum of x[0..n) (-inf for an empty or all -inf row).
 float row_max(const float* x, int64_t n);
 // x[i] = exp(x[i] - m) in place (x[i] = -inf gives exactly 0); returns the sum. m is finite.
 float exp_shift_sum(float* x, int64_t n, float m);
 // x[i] *= c.
 void scale_row(float* x, int64_t n, float c);
-// Which implementation runs here: "avx512", "avx2" or "portable".
+// Which implementation runs here: vec_isa_name(vec_math_best_isa()).
 const char* vec_math_isa();
+
+// The same operations on an explicit instruction set, which must be <= vec_math_best_isa():
+// tests compare every path the CPU can run.
+float row_max(VecIsa isa, const float* x, int64_t n);
+float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m);
 
 }  // namespace dattn::cpu

@@ -1,0 +1,71 @@
+// Single-process tests of the softmax row operations (kernels/cpu/vec_math.h) on every
+// instruction set this CPU runs (portable, AVX2, AVX-512), against double-precision exp:
+// row lengths around the vector widths, -inf entries (masked scores), very negative values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/vec_math.h"
+
+namespace dattn::cpu {
+namespace {
+
+std::vector<VecIsa> runnable_isas() {
+  std::vector<VecIsa> isas;
+  for (VecIsa isa : {VecIsa::portable, VecIsa::avx2, VecIsa::avx512})
+    if (int(isa) <= int(vec_math_best_isa())) isas.push_back(isa);
+  return isas;
+}
+
+// Scores of length n: a spread of values in [-30, 5], every 7th masked (-inf), one at -200.
+std::vector<float> scores(int64_t n) {
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    x[size_t(i)] = i % 7 == 3 ? -INFINITY : i == 5 ? -200.f : float((i * 37) % 71) * 0.5f - 30.f;
+  return x;
+}
+
+TEST(VecMath, RowMaxOnEveryIsa) {
+  for (VecIsa isa : runnable_isas()) {
+    for (int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33, 512}) {
+      std::vector<float> x = scores(n);
+      float expect = -INFINITY;
+      for (float v : x)
+        expect = std::fmax(expect, v);
+      EXPECT_EQ(row_max(isa, x.data(), n), expect) << vec_isa_name(isa) << " n=" << n;
+    }
+    std::vector<float> masked(20, -INFINITY);
+    EXPECT_EQ(row_max(isa, masked.data(), 20), -INFINITY) << vec_isa_name(isa);
+  }
+}
+
+TEST(VecMath, ExpShiftSumOnEveryIsa) {
+  for (VecIsa isa : runnable_isas()) {
+    for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 33, 512}) {
+      std::vector<float> x = scores(n);
+      const float m = row_max(VecIsa::portable, x.data(), n);
+      std::vector<double> expect(static_cast<size_t>(n));
+      double expect_sum = 0;
+      for (int64_t i = 0; i < n; ++i)
+        expect_sum += expect[size_t(i)] = std::exp(double(x[size_t(i)]) - double(m));
+      const float sum = exp_shift_sum(isa, x.data(), n, m);
+      for (int64_t i = 0; i < n; ++i) {
+        const double e = expect[size_t(i)];
+        if (e == 0 || e < 1e-37) {  // masked or below the range: exactly 0
+          EXPECT_EQ(x[size_t(i)], 0.f) << vec_isa_name(isa) << " n=" << n << " i=" << i;
+        } else {
+          EXPECT_NEAR(x[size_t(i)], e, 4e-7 * e) << vec_isa_name(isa) << " n=" << n << " i=" << i;
+        }
+      }
+      EXPECT_NEAR(sum, expect_sum, 1e-6 * expect_sum) << vec_isa_name(isa) << " n=" << n;
+    }
+  }
+}
+
+TEST(VecMath, BestIsaIsNamed) {
+  EXPECT_STREQ(vec_math_isa(), vec_isa_name(vec_math_best_isa()));
+}
+
+}  // namespace
+}  // namespace dattn::cpu

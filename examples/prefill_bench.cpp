@@ -45,6 +45,7 @@ struct Options {
   DType dtype = DType::bf16;
   int causal = 1;
   std::string strategy_name = "ring";
+  std::string layout = "contiguous";
   dattn::Strategy strategy = dattn::Strategy::ring;
   int iters = 5;
   int warmup = 1;
@@ -84,6 +85,8 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("dtype,t", po::value(&o.dtype_name)->default_value(o.dtype_name),
      "storage dtype: fp32, bf16 or fp16")
     ("causal,c", po::value(&o.causal)->default_value(o.causal), "causal mask (0 or 1)")
+    ("layout,l", po::value(&o.layout)->default_value(o.layout),
+     "context-parallel layout: contiguous, zigzag or striped")
     ("strategy,a", po::value(&o.strategy_name)->default_value(o.strategy_name),
      "schedule: ring")
     ("iters,n", po::value(&o.iters)->default_value(o.iters), "timed iterations")
@@ -133,6 +136,8 @@ std::optional<Options> parse_options(int argc, char** argv) {
   } catch (const dattn::Error&) {
     dattn::require_option(false, "--strategy", o.strategy_name, "ring");
   }
+  dattn::require_option(o.layout == "contiguous" || o.layout == "zigzag" || o.layout == "striped",
+                        "--layout", o.layout, "contiguous, zigzag or striped");
   return o;
 }
 
@@ -375,7 +380,7 @@ uint64_t allreduce_u64(dattn::Runtime& rt, uint64_t v, dattn::ReduceOp op) {
 // Runs one sequence length: generate the shard, warm up, time, count bytes, check.
 Row run_size(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec, int64_t S) {
   const int P = rt.cp_size(), r = rt.cp_rank();
-  const Layout layout = Layout::contiguous(S, P);
+  const Layout layout = Layout::make(o.layout, S, P);
   Row row;
   row.seq = S;
   row.local_seq = layout.max_local_len();
@@ -566,9 +571,9 @@ int prefill_bench(int argc, char** argv) {
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
   const std::string config = dattn::detail::cat(
       "ranks ", rt.size(), " threads/rank ", T, " strategy ", dattn::strategy_name(o.strategy),
-      " layout contiguous mask ", spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype), " batch ",
-      o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim, " iters ",
-      o.iters, " warmup ", o.warmup, " check ", o.check);
+      " layout ", o.layout, " mask ", spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype),
+      " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim,
+      " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
   if (root) {
     dattn::report::print_header(stdout, "dattn prefill benchmark", {config}, ranks);
     table().print_heading(stdout);
@@ -660,7 +665,7 @@ int prefill_bench(int argc, char** argv) {
           .add("ranks", rt.size())
           .add("threads_per_rank", T)
           .add("strategy", dattn::strategy_name(o.strategy))
-          .add("layout", "contiguous")
+          .add("layout", o.layout)
           .add("mask", spec.mask.str())
           .add("dtype", dattn::dtype_name(o.dtype))
           .add("batch", o.batch)

@@ -9,14 +9,15 @@
 
 namespace dattn {
 
-Layout Layout::contiguous(int64_t global_seq, int ranks) {
+Layout::Layout(Kind kind, int64_t global_seq, int ranks)
+    : kind_(kind), ranks_(ranks), global_seq_(global_seq) {
   DATTN_CHECK_ARG(ranks > 0, "layout ranks", ranks, "> 0");
   DATTN_CHECK_ARG(global_seq >= 0, "global_seq", global_seq, ">= 0");
-  Layout l;
-  l.kind_ = Kind::contiguous;
-  l.ranks_ = ranks;
-  l.global_seq_ = global_seq;
-  l.runs_.resize(size_t(ranks));
+  runs_.resize(size_t(ranks));
+}
+
+Layout Layout::contiguous(int64_t global_seq, int ranks) {
+  Layout l(Kind::contiguous, global_seq, ranks);
   const int64_t base = global_seq / ranks, extra = global_seq % ranks;
   int64_t start = 0;
   for (int r = 0; r < ranks; ++r) {
@@ -25,6 +26,51 @@ Layout Layout::contiguous(int64_t global_seq, int ranks) {
     start += len;
   }
   return l;
+}
+
+Layout Layout::zigzag(int64_t global_seq, int ranks) {
+  Layout l(Kind::zigzag, global_seq, ranks);
+  const int chunks = 2 * ranks;
+  const int64_t base = global_seq / chunks, extra = global_seq % chunks;
+  std::vector<int64_t> start(size_t(chunks) + 1, 0);
+  for (int c = 0; c < chunks; ++c)
+    start[size_t(c) + 1] = start[size_t(c)] + base + (c < extra);
+  for (int r = 0; r < ranks; ++r) {
+    const int a = r, b = chunks - 1 - r;
+    const int64_t len_a = start[size_t(a) + 1] - start[size_t(a)];
+    l.runs_[size_t(r)].push_back(Run{0, start[size_t(a)], 1, len_a});
+    l.runs_[size_t(r)].push_back(
+        Run{len_a, start[size_t(b)], 1, start[size_t(b) + 1] - start[size_t(b)]});
+  }
+  return l;
+}
+
+Layout Layout::striped(int64_t global_seq, int ranks) {
+  Layout l(Kind::striped, global_seq, ranks);
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t len = global_seq > r ? (global_seq - r + ranks - 1) / ranks : 0;
+    l.runs_[size_t(r)].push_back(Run{0, r, ranks, len});
+  }
+  return l;
+}
+
+Layout Layout::make(const std::string& kind, int64_t global_seq, int ranks) {
+  if (kind == "contiguous") return contiguous(global_seq, ranks);
+  if (kind == "zigzag") return zigzag(global_seq, ranks);
+  if (kind == "striped") return striped(global_seq, ranks);
+  DATTN_THROW("invalid layout = '", kind, "': expected contiguous, zigzag or striped");
+}
+
+const char* Layout::kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::contiguous:
+      return "contiguous";
+    case Kind::zigzag:
+      return "zigzag";
+    case Kind::striped:
+      return "striped";
+  }
+  return "?";
 }
 
 const std::vector<Run>& Layout::runs(int rank) const {
@@ -154,7 +200,7 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
 }
 
 std::string Layout::str() const {
-  return detail::cat("contiguous(S=", global_seq_, ", P=", ranks_, ")");
+  return detail::cat(kind_name(kind_), "(S=", global_seq_, ", P=", ranks_, ")");
 }
 
 uint64_t Layout::hash() const {

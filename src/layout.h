@@ -25,12 +25,23 @@ struct Run {
 
 class Layout {
  public:
-  enum class Kind : uint8_t { contiguous = 0 };
+  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2 };
+
+  Layout() = default;  // an empty layout (no tokens, one rank); assign a real one before use
 
   // Rank r holds one contiguous range. When global_seq does not divide by ranks, the first
   // global_seq % ranks ranks hold one token more: no padding, nothing truncated, and every
   // strategy handles shards of different lengths.
   static Layout contiguous(int64_t global_seq, int ranks);
+  // The sequence cut into 2P chunks; rank r holds chunks r and 2P-1-r, so that under a causal
+  // mask every rank has the same work. Chunk lengths differ by at most one token (the first
+  // global_seq % 2P chunks hold one more).
+  static Layout zigzag(int64_t global_seq, int ranks);
+  // Round-robin tokens: rank r holds positions r, r + P, r + 2P, ... (blocks of one token).
+  static Layout striped(int64_t global_seq, int ranks);
+  // The layout of a kind by name: "contiguous", "zigzag" or "striped"; throws dattn::Error.
+  static Layout make(const std::string& kind, int64_t global_seq, int ranks);
+  static const char* kind_name(Kind kind);
 
   Kind kind() const { return kind_; }
   int ranks() const { return ranks_; }
@@ -48,14 +59,17 @@ class Layout {
   // Gathers every rank's bshd shard [B, local_len, H, D] into the global tensor, on every rank.
   Tensor undispatch(Communicator& comm, const Tensor& shard) const;
 
-  std::string str() const;  // "contiguous(S=4096, P=4)"
+  std::string str() const;  // "zigzag(S=4096, P=4)"
   uint64_t hash() const;
 
  private:
+  // Checks the arguments every layout shares and sets them; runs_ gets one empty list per rank.
+  Layout(Kind kind, int64_t global_seq, int ranks);
+
   Kind kind_ = Kind::contiguous;
   int ranks_ = 1;
   int64_t global_seq_ = 0;
-  std::vector<std::vector<Run>> runs_;
+  std::vector<std::vector<Run>> runs_ = {{}};
 };
 
 }  // namespace dattn

@@ -148,6 +148,51 @@ bool forwards_brute_force(int64_t S, int P, const Mask& mask, int origin, int st
   return false;
 }
 
+// Every layout places each global token exactly once; zigzag holds chunks r and 2P-1-r of 2P
+// equal chunks (lengths differ by at most one), striped holds r, r+P, ...
+TEST(Layouts, EveryTokenOnceAndTheDocumentedPlaces) {
+  for (int P : {1, 2, 3, 4, 7}) {
+    for (int64_t S : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(2 * P), int64_t(37)}) {
+      for (const char* kind : {"contiguous", "zigzag", "striped"}) {
+        SCOPED_TRACE(testing::Message() << kind << " S=" << S << " P=" << P);
+        const Layout l = Layout::make(kind, S, P);
+        EXPECT_EQ(std::string(Layout::kind_name(l.kind())), kind);
+        std::vector<int> seen(static_cast<size_t>(S), 0);
+        int64_t total = 0;
+        for (int r = 0; r < P; ++r) {
+          total += l.local_len(r);
+          for (int64_t i = 0; i < l.local_len(r); ++i) {
+            const int64_t g = l.global_position(r, i);
+            ASSERT_GE(g, 0);
+            ASSERT_LT(g, S);
+            seen[size_t(g)] += 1;
+            if (std::string(kind) == "striped") {
+              EXPECT_EQ(g % P, r);
+            }
+          }
+        }
+        EXPECT_EQ(total, S);
+        for (int64_t g = 0; g < S; ++g)
+          EXPECT_EQ(seen[size_t(g)], 1) << "token " << g;
+      }
+      const Layout z = Layout::zigzag(S, P);
+      for (int r = 0; r < P; ++r) {
+        const int64_t chunk = S / (2 * P);
+        ASSERT_EQ(z.runs(r).size(), 2u);
+        EXPECT_GE(z.runs(r)[0].length, chunk);
+        EXPECT_LE(z.runs(r)[0].length, chunk + 1);
+        if (S % (2 * P) == 0) {
+          EXPECT_EQ(z.runs(r)[0].global_begin, r * chunk);
+          EXPECT_EQ(z.runs(r)[1].global_begin, (2 * P - 1 - r) * chunk);
+        }
+      }
+    }
+  }
+  EXPECT_THROW(Layout::make("diagonal", 8, 2), Error);
+  EXPECT_NE(Layout::zigzag(8, 2).hash(), Layout::contiguous(8, 2).hash());
+  EXPECT_NE(Layout::striped(8, 2).hash(), Layout::zigzag(8, 2).hash());
+}
+
 TEST(RingModel, ForwardsMatchesFirstPrinciples) {
   for (int P = 1; P <= 8; ++P)
     for (int64_t S : kSeqs)

@@ -39,6 +39,7 @@ struct RingCase {
   DType dtype = DType::f32;
   SeqKind seq = SeqKind::divisible;
   int64_t per_rank = 16;  // tokens per rank when divisible
+  std::string layout = "contiguous";
 };
 
 std::ostream& operator<<(std::ostream& os, const RingCase& c) {
@@ -85,6 +86,19 @@ std::vector<RingCase> ring_cases() {
        cpu::kTileQ + 24},
       {"noncausal_f32_long_shards", 1, 1, 1, 32, 0, false, DType::f32, K::divisible,
        cpu::kTileK + 8},
+      // The same schedule under the zigzag and striped layouts (runs at other positions).
+      {"zigzag_causal_f32_gqa4", 1, 4, 1, 64, 0, true, DType::f32, K::divisible, 16, "zigzag"},
+      {"zigzag_causal_bf16_uneven", 2, 2, 2, 64, 0, true, DType::bf16, K::uneven, 16, "zigzag"},
+      {"zigzag_noncausal_f32", 1, 2, 2, 64, 0, false, DType::f32, K::divisible, 16, "zigzag"},
+      {"zigzag_causal_f32_long", 1, 2, 1, 32, 0, true, DType::f32, K::divisible, cpu::kTileQ + 24,
+       "zigzag"},
+      {"zigzag_causal_f32_fewer_tokens_than_ranks", 1, 2, 2, 64, 0, true, DType::f32,
+       K::fewer_than_ranks, 16, "zigzag"},
+      {"striped_causal_f32_gqa4", 1, 4, 1, 64, 0, true, DType::f32, K::divisible, 16, "striped"},
+      {"striped_causal_bf16_uneven", 1, 2, 2, 80, 0, true, DType::bf16, K::uneven, 16, "striped"},
+      {"striped_noncausal_f16_B2", 2, 2, 1, 64, 0, false, DType::f16, K::divisible, 16, "striped"},
+      {"striped_causal_f32_long", 1, 2, 1, 32, 0, true, DType::f32, K::divisible, cpu::kTileQ + 24,
+       "striped"},
   };
 }
 
@@ -119,7 +133,7 @@ TEST_P(RingAttention, MatchesReferenceAndByteModel) {
   const int P = rt.cp_size(), me = rt.cp_rank();
   ASSERT_EQ(P, world_size());
   const int64_t S = global_seq(c, P);
-  Layout layout = Layout::contiguous(S, P);
+  Layout layout = Layout::make(c.layout, S, P);
   AttnSpec spec;
   spec.heads_q = c.Hq;
   spec.heads_kv = c.Hkv;
@@ -162,10 +176,17 @@ TEST_P(RingAttention, MatchesReferenceAndByteModel) {
   // Bytes sent: the model, and the closed forms where they apply.
   EXPECT_EQ(sent, ring_send_bytes(layout, spec, c.B, c.dtype, me))
       << "rank " << me << " of " << P << ", S=" << S;
-  if (!c.causal && S % P == 0 && c.Dv == 0) {
+  // Every rank holds S/P tokens when S divides by the layout's unit (P, or 2P chunks for zigzag).
+  const int64_t unit = c.layout == "zigzag" ? 2 * P : P;
+  if (!c.causal && S % unit == 0 && c.Dv == 0) {
     EXPECT_EQ(sent, closed_form_noncausal(c, S, P)) << "rank " << me << " of " << P;
   }
-  if (c.causal && S >= P) {
+  // Zigzag and striped balance causal work: every block is seen by every later rank, so the
+  // causal ring sends what the non-causal one does.
+  if (c.causal && c.layout != "contiguous" && S % unit == 0 && S >= 2 * unit && c.Dv == 0) {
+    EXPECT_EQ(sent, closed_form_noncausal(c, S, P)) << "rank " << me << " of " << P;
+  }
+  if (c.causal && c.layout == "contiguous" && S >= P) {
     EXPECT_EQ(sent, closed_form_causal(c, layout, me)) << "rank " << me << " of " << P;
   }
 }
@@ -247,23 +268,24 @@ TEST(RingLayout, DispatchUndispatchRoundTrip) {
   Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
   const int P = rt.cp_size(), me = rt.cp_rank();
   for (int64_t S : {int64_t(4 * P), int64_t(3 * P + 1), int64_t(1), int64_t(2 * P - 1)}) {
-    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
-      SCOPED_TRACE(testing::Message() << "S=" << S << " " << dtype_name(dt));
-      Layout layout = Layout::contiguous(S, P);
-      Tensor g4 = test::random_tensor({2, S, 3, 5}, dt, 300 + uint64_t(S));
-      Tensor s4 = layout.dispatch(g4, me);
-      EXPECT_EQ(s4.size(1), layout.local_len(me));
-      Tensor back = layout.undispatch(rt.cp(), s4);
-      ASSERT_EQ(back.dim(), 4);
-      ASSERT_EQ(back.nbytes(), g4.nbytes());
-      EXPECT_EQ(back.dtype(), dt);
-      EXPECT_EQ(std::memcmp(back.data(), g4.data(), g4.nbytes()), 0);
-      Tensor g3 = test::random_tensor({1, S, 7}, dt, 400 + uint64_t(S));
-      Tensor back3 = layout.undispatch(rt.cp(), layout.dispatch(g3, me));
-      ASSERT_EQ(back3.dim(), 3);
-      ASSERT_EQ(back3.nbytes(), g3.nbytes());
-      EXPECT_EQ(std::memcmp(back3.data(), g3.data(), g3.nbytes()), 0);
-    }
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+      for (const char* kind : {"contiguous", "zigzag", "striped"}) {
+        SCOPED_TRACE(testing::Message() << "S=" << S << " " << dtype_name(dt) << " " << kind);
+        Layout layout = Layout::make(kind, S, P);
+        Tensor g4 = test::random_tensor({2, S, 3, 5}, dt, 300 + uint64_t(S));
+        Tensor s4 = layout.dispatch(g4, me);
+        EXPECT_EQ(s4.size(1), layout.local_len(me));
+        Tensor back = layout.undispatch(rt.cp(), s4);
+        ASSERT_EQ(back.dim(), 4);
+        ASSERT_EQ(back.nbytes(), g4.nbytes());
+        EXPECT_EQ(back.dtype(), dt);
+        EXPECT_EQ(std::memcmp(back.data(), g4.data(), g4.nbytes()), 0);
+        Tensor g3 = test::random_tensor({1, S, 7}, dt, 400 + uint64_t(S));
+        Tensor back3 = layout.undispatch(rt.cp(), layout.dispatch(g3, me));
+        ASSERT_EQ(back3.dim(), 3);
+        ASSERT_EQ(back3.nbytes(), g3.nbytes());
+        EXPECT_EQ(std::memcmp(back3.data(), g3.data(), g3.nbytes()), 0);
+      }
   }
 }
 

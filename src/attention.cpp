@@ -64,10 +64,12 @@ void attend_runs(const Tensor& q, const void* k, const void* v, int64_t k_rows,
       blk.q_len = qr.length;
       blk.q_pos0 = qr.global_begin;
       blk.q_pos_stride = qr.stride;
+      blk.q_pos_block = qr.block;
       blk.k_begin = kr.local_begin;
       blk.k_len = kr.length;
       blk.k_pos0 = kr.global_begin;
       blk.k_pos_stride = kr.stride;
+      blk.k_pos_block = kr.block;
       cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
     }
   }
@@ -114,8 +116,8 @@ uint64_t config_hash(const AttnSpec& spec, const Layout& layout, Strategy strate
   std::memcpy(&scale_bits, &scale, 4);
   uint64_t h = kHashSeed;
   for (uint64_t x : {uint64_t(spec.heads_q), uint64_t(spec.heads_kv), uint64_t(spec.head_dim),
-                     uint64_t(spec.dim_v()), uint64_t(scale_bits), uint64_t(spec.mask.kind),
-                     layout.hash(), uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})
+                     uint64_t(spec.dim_v()), uint64_t(scale_bits), spec.mask.hash(), layout.hash(),
+                     uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})
     h = hash_mix(h, x);
   return h;
 }
@@ -131,6 +133,10 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
     DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),
                     detail::cat(comm.size(), " (the context-parallel ranks)"));
     DATTN_CHECK_ARG(layout.global_seq() > 0, "global_seq", layout.global_seq(), "> 0");
+    if (spec.mask.documents)
+      DATTN_CHECK_ARG(spec.mask.documents->back() == layout.global_seq(), "cu_seqlens back",
+                      spec.mask.documents->back(),
+                      detail::cat(layout.global_seq(), " (the layout's global_seq)"));
     const int64_t local = layout.local_len(comm.rank());
     DATTN_CHECK_ARG(q.size(1) == local, "q seq", q.size(1),
                     detail::cat(local, " (this rank's length under ", layout.str(), ")"));

@@ -45,19 +45,46 @@ Layout Layout::zigzag(int64_t global_seq, int ranks) {
   return l;
 }
 
-Layout Layout::striped(int64_t global_seq, int ranks) {
+Layout Layout::striped(int64_t global_seq, int ranks, int64_t block) {
+  DATTN_CHECK_ARG(block >= 1, "stripe block", block, ">= 1 token");
   Layout l(Kind::striped, global_seq, ranks);
+  l.block_ = block;
+  const int64_t blocks = (global_seq + block - 1) / block;  // the last may be partial
   for (int r = 0; r < ranks; ++r) {
-    const int64_t len = global_seq > r ? (global_seq - r + ranks - 1) / ranks : 0;
-    l.runs_[size_t(r)].push_back(Run{0, r, ranks, len});
+    const int64_t mine = blocks > r ? (blocks - r + ranks - 1) / ranks : 0;  // blocks r, r+P, ..
+    int64_t len = mine * block;
+    if (mine > 0 && r + (mine - 1) * ranks == blocks - 1) len -= blocks * block - global_seq;
+    l.runs_[size_t(r)].push_back(Run{0, r * block, ranks * block, len, block});
   }
+  return l;
+}
+
+Layout Layout::varlen(std::vector<int64_t> cu_seqlens, int ranks) {
+  Mask::document(cu_seqlens, false).validate();  // increasing, from 0
+  Layout l(Kind::varlen, cu_seqlens.back(), ranks);
+  const int chunks = 2 * ranks;
+  std::vector<int64_t> local(size_t(ranks), 0);
+  for (size_t d = 0; d + 1 < cu_seqlens.size(); ++d) {
+    const int64_t begin = cu_seqlens[d], len = cu_seqlens[d + 1] - begin;
+    const int64_t base = len / chunks, extra = len % chunks;
+    auto chunk_begin = [&](int c) { return begin + c * base + std::min<int64_t>(c, extra); };
+    for (int r = 0; r < ranks; ++r) {
+      for (int c : {r, chunks - 1 - r}) {
+        const int64_t n = chunk_begin(c + 1) - chunk_begin(c);
+        if (n == 0) continue;
+        l.runs_[size_t(r)].push_back(Run{local[size_t(r)], chunk_begin(c), 1, n});
+        local[size_t(r)] += n;
+      }
+    }
+  }
+  l.documents_ = std::make_shared<const std::vector<int64_t>>(std::move(cu_seqlens));
   return l;
 }
 
 Layout Layout::make(const std::string& kind, int64_t global_seq, int ranks) {
   if (kind == "contiguous") return contiguous(global_seq, ranks);
   if (kind == "zigzag") return zigzag(global_seq, ranks);
-  if (kind == "striped") return striped(global_seq, ranks);
+  if (kind == "striped") return striped(global_seq, ranks, 1);
   DATTN_THROW("invalid layout = '", kind, "': expected contiguous, zigzag or striped");
 }
 
@@ -69,6 +96,8 @@ const char* Layout::kind_name(Kind kind) {
       return "zigzag";
     case Kind::striped:
       return "striped";
+    case Kind::varlen:
+      return "varlen";
   }
   return "?";
 }
@@ -96,7 +125,7 @@ int64_t Layout::max_local_len() const {
 int64_t Layout::global_position(int rank, int64_t local_index) const {
   for (const Run& run : runs(rank)) {
     if (local_index >= run.local_begin && local_index < run.local_begin + run.length)
-      return run.global_begin + (local_index - run.local_begin) * run.stride;
+      return run.position(local_index - run.local_begin);
   }
   DATTN_THROW("invalid local_index = ", local_index, ": expected 0 to ", local_len(rank) - 1,
               " on rank ", rank, " of ", str());
@@ -106,9 +135,8 @@ bool Layout::any_visible(const Mask& mask, int q_rank, int k_rank) const {
   for (const Run& q : runs(q_rank)) {
     for (const Run& k : runs(k_rank)) {
       if (q.length == 0 || k.length == 0) continue;
-      const int64_t q_last = q.global_begin + (q.length - 1) * q.stride;
-      const int64_t k_last = k.global_begin + (k.length - 1) * k.stride;
-      if (mask.cover(q.global_begin, q_last, k.global_begin, k_last) != Mask::Cover::none)
+      if (mask.cover(q.global_begin, q.last_position(), k.global_begin, k.last_position()) !=
+          Mask::Cover::none)
         return true;
     }
   }
@@ -131,7 +159,7 @@ void copy_runs(const std::vector<Run>& runs, char* global, int64_t global_seq, c
   for (int64_t b = 0; b < batch; ++b) {
     for (const Run& run : runs) {
       for (int64_t t = 0; t < run.length; ++t) {
-        char* g = global + size_t(b * global_seq + run.global_begin + t * run.stride) * row;
+        char* g = global + size_t(b * global_seq + run.position(t)) * row;
         char* s = shard + size_t(b * shard_seq + run.local_begin + t) * row;
         if (to_shard)
           std::memcpy(s, g, row);
@@ -200,15 +228,23 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
 }
 
 std::string Layout::str() const {
-  return detail::cat(kind_name(kind_), "(S=", global_seq_, ", P=", ranks_, ")");
+  std::string extra = kind_ == Kind::striped ? detail::cat(", block=", block_, "")
+                      : documents_           ? detail::cat(", docs=", documents_->size() - 1)
+                                             : std::string();
+  return detail::cat(kind_name(kind_), "(S=", global_seq_, ", P=", ranks_, extra, ")");
 }
 
 uint64_t Layout::hash() const {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the defining fields
-  for (uint64_t x : {uint64_t(kind_), uint64_t(ranks_), uint64_t(global_seq_)}) {
+  auto mix = [&h](uint64_t x) {
     h ^= x;
     h *= 1099511628211ull;
-  }
+  };
+  for (uint64_t x : {uint64_t(kind_), uint64_t(ranks_), uint64_t(global_seq_), uint64_t(block_)})
+    mix(x);
+  if (documents_)
+    for (int64_t e : *documents_)
+      mix(uint64_t(e));
   return h;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,18 +15,24 @@ namespace dattn {
 
 class Communicator;
 
-// `length` tokens stored at local rows [local_begin, local_begin + length) whose global
-// positions are global_begin, global_begin + stride, ...
+// `length` tokens stored at local rows [local_begin, local_begin + length). Their global
+// positions come in blocks of `block` consecutive positions, `stride` apart: local row
+// local_begin + i is at global_begin + (i / block) * stride + i % block (block 1, stride 1: a
+// contiguous range; block 1, stride P: every P-th token).
 struct Run {
   int64_t local_begin = 0;
   int64_t global_begin = 0;
   int64_t stride = 1;
   int64_t length = 0;
+  int64_t block = 1;
+
+  int64_t position(int64_t i) const { return global_begin + (i / block) * stride + i % block; }
+  int64_t last_position() const { return position(length - 1); }
 };
 
 class Layout {
  public:
-  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2 };
+  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2, varlen = 3 };
 
   Layout() = default;  // an empty layout (no tokens, one rank); assign a real one before use
 
@@ -37,9 +44,15 @@ class Layout {
   // mask every rank has the same work. Chunk lengths differ by at most one token (the first
   // global_seq % 2P chunks hold one more).
   static Layout zigzag(int64_t global_seq, int ranks);
-  // Round-robin tokens: rank r holds positions r, r + P, r + 2P, ... (blocks of one token).
-  static Layout striped(int64_t global_seq, int ranks);
-  // The layout of a kind by name: "contiguous", "zigzag" or "striped"; throws dattn::Error.
+  // Round-robin blocks of `block` tokens: rank r holds blocks r, r + P, r + 2P, ... (block 1:
+  // positions r, r + P, ...). The last block may be partial.
+  static Layout striped(int64_t global_seq, int ranks, int64_t block = 1);
+  // Documents packed in one sequence, boundaries cu_seqlens = [0, e1, ..., S]: each document is
+  // cut into 2P chunks and rank r holds chunks r and 2P-1-r of every document (zigzag per
+  // document), so that causal work inside documents is balanced. Use with Mask::document.
+  static Layout varlen(std::vector<int64_t> cu_seqlens, int ranks);
+  // The layout of a kind by name: "contiguous", "zigzag" or "striped" (blocks of one token);
+  // throws dattn::Error.
   static Layout make(const std::string& kind, int64_t global_seq, int ranks);
   static const char* kind_name(Kind kind);
 
@@ -70,6 +83,8 @@ class Layout {
   int ranks_ = 1;
   int64_t global_seq_ = 0;
   std::vector<std::vector<Run>> runs_ = {{}};
+  int64_t block_ = 1;                                      // striped
+  std::shared_ptr<const std::vector<int64_t>> documents_;  // varlen
 };
 
 }  // namespace dattn

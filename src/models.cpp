@@ -1,12 +1,31 @@
 // FLOP and byte models (see models.h).
 #include "src/models.h"
 
+#include <algorithm>
+
 namespace dattn {
 
 double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSpec& spec) {
   double f = 2.0 * double(batch) * double(spec.heads_q) * double(seq_q) * double(seq_k) *
              double(spec.head_dim + spec.dim_v());
-  return spec.mask.kind == Mask::Kind::causal ? f / 2 : f;
+  if (spec.mask.is_none()) return f;
+  if (spec.mask.is_causal()) return f / 2;  // the usual model (exact: (S + 1) / 2S)
+  // Other masks: count the visible (query, key) pairs of positions 0.. on both sides.
+  double pairs = 0;
+  for (int64_t q = 0; q < seq_q; ++q) {
+    int64_t lo = spec.mask.left < 0 ? 0 : std::max<int64_t>(0, q - spec.mask.left);
+    int64_t hi =
+        spec.mask.right < 0 ? seq_k - 1 : std::min<int64_t>(seq_k - 1, q + spec.mask.right);
+    if (spec.mask.documents) {
+      const auto& cu = *spec.mask.documents;
+      const int64_t d = spec.mask.document_of(q);
+      if (d < 0 || size_t(d) + 1 >= cu.size()) continue;
+      lo = std::max(lo, cu[size_t(d)]);
+      hi = std::min(hi, cu[size_t(d) + 1] - 1);
+    }
+    if (hi >= lo) pairs += double(hi - lo + 1);
+  }
+  return f / (double(seq_q) * double(seq_k)) * pairs;
 }
 
 bool ring_forwards(const Layout& layout, const Mask& mask, int origin, int step) {

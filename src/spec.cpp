@@ -17,8 +17,58 @@ void AttnSpec::validate() const {
                   "0 (same as head_dim) or 1 to 256");
   DATTN_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale >= 0.f, "softmax_scale",
                   softmax_scale, "0 (meaning 1/sqrt(head_dim)) or a finite positive value");
-  DATTN_CHECK_ARG(mask.kind == Mask::Kind::none || mask.kind == Mask::Kind::causal, "mask",
-                  int(mask.kind), "none or causal");
+  mask.validate();
+}
+
+Mask Mask::document(std::vector<int64_t> cu_seqlens, bool causal) {
+  Mask m;
+  m.right = causal ? 0 : -1;
+  m.documents = std::make_shared<const std::vector<int64_t>>(std::move(cu_seqlens));
+  return m;
+}
+
+bool Mask::operator==(const Mask& o) const {
+  if (left != o.left || right != o.right || bool(documents) != bool(o.documents)) return false;
+  return !documents || *documents == *o.documents;
+}
+
+std::string Mask::str() const {
+  if (is_none()) return "none";
+  if (is_causal()) return "causal";
+  std::string band = left < 0 && right < 0    ? ""
+                     : left < 0 && right == 0 ? "causal"
+                                              : detail::cat("window(", left, ",", right, ")");
+  if (!documents) return band;
+  return detail::cat("document(", documents->size() - 1, " docs", band.empty() ? "" : ", ", band,
+                     ")");
+}
+
+uint64_t Mask::hash() const {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t x) {
+    h ^= x;
+    h *= 1099511628211ull;
+  };
+  mix(uint64_t(left));
+  mix(uint64_t(right));
+  if (documents)
+    for (int64_t e : *documents)
+      mix(uint64_t(e));
+  return h;
+}
+
+void Mask::validate() const {
+  DATTN_CHECK_ARG(left >= -1, "window left", left, ">= 0 (or -1: unlimited)");
+  DATTN_CHECK_ARG(right >= -1, "window right", right, ">= 0 (or -1: unlimited)");
+  if (!documents) return;
+  const auto& cu = *documents;
+  DATTN_CHECK_ARG(cu.size() >= 2, "cu_seqlens size", cu.size(),
+                  ">= 2 ([0, end of document 1, ..., total])");
+  DATTN_CHECK_ARG(cu[0] == 0, "cu_seqlens[0]", cu[0], "0");
+  for (size_t i = 1; i < cu.size(); ++i)
+    DATTN_CHECK_ARG(
+        cu[i] > cu[i - 1], detail::cat("cu_seqlens[", i, "]"), cu[i],
+        detail::cat("> cu_seqlens[", i - 1, "] = ", cu[i - 1], " (strictly increasing)"));
 }
 
 std::string AttnSpec::str() const {

@@ -3,33 +3,73 @@
 // rank holds a token.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace dattn {
 
+// Which keys a query sees, on global positions. A key k is visible to a query q when it lies in
+// the band [q - left, q + right] (-1: no limit on that side) and, with documents, in q's document.
+//   none: left = right = -1          causal: right = 0
+//   sliding window w: left = w, right = 0 (or a right window too)
+//   documents (varlen, packed sequences): boundaries cu_seqlens = [0, e1, e2, ..., S], with or
+//   without causal inside each document.
 struct Mask {
-  enum class Kind : uint8_t { none = 0, causal = 1 };
-  Kind kind = Kind::none;
+  int64_t left = -1;
+  int64_t right = -1;
+  // cu_seqlens, shared (masks are copied into every kernel call); null: one document.
+  std::shared_ptr<const std::vector<int64_t>> documents;
 
-  static Mask none() { return {Kind::none}; }
-  static Mask causal() { return {Kind::causal}; }
-  bool operator==(const Mask&) const = default;
-  std::string str() const { return kind == Kind::causal ? "causal" : "none"; }
+  static Mask none() { return {}; }
+  static Mask causal() { return {-1, 0, nullptr}; }
+  // Keys from q - left to q + right (right = 0: causal sliding window). Sizes are validated by
+  // AttnSpec::validate (a negative window is an error).
+  static Mask window(int64_t left, int64_t right = 0) { return {left, right, nullptr}; }
+  // Documents packed in one sequence: a token sees only its own document (causally or not).
+  static Mask document(std::vector<int64_t> cu_seqlens, bool causal);
 
-  // Whether query position q sees key position k.
-  bool visible(int64_t q, int64_t k) const { return kind == Kind::none || k <= q; }
+  bool is_none() const { return left < 0 && right < 0 && !documents; }
+  bool is_causal() const { return left < 0 && right == 0 && !documents; }
+  bool operator==(const Mask& o) const;
+  std::string str() const;  // "none", "causal", "window(128,0)", "document(3 docs, causal)"
+  uint64_t hash() const;
+  // Throws dattn::Error naming the bad field (negative sizes, cu_seqlens not increasing).
+  void validate() const;
 
-  // How a block of queries [q_lo, q_hi] meets a block of keys [k_lo, k_hi] (inclusive ranges):
-  // none visible (skip), all visible (no masking needed), or some (mask per element).
+  // The document holding position pos (0 without documents).
+  int64_t document_of(int64_t pos) const {
+    if (!documents) return 0;
+    const auto& cu = *documents;
+    return int64_t(std::upper_bound(cu.begin(), cu.end(), pos) - cu.begin()) - 1;
+  }
+  // Whether query position q sees key position k (given their documents).
+  bool in_band(int64_t q, int64_t k) const {
+    return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);
+  }
+  bool visible(int64_t q, int64_t k) const {
+    return in_band(q, k) && document_of(q) == document_of(k);
+  }
+
+  // How a block of queries with positions in [q_lo, q_hi] meets a block of keys with positions
+  // in [k_lo, k_hi] (inclusive): none visible (skip), all visible (no masking), or some (mask
+  // per element). Conservative: "some" may turn out to hide everything.
   enum class Cover : uint8_t { none, some, all };
   Cover cover(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi) const {
     if (q_hi < q_lo || k_hi < k_lo) return Cover::none;  // an empty block
-    if (kind == Kind::none) return Cover::all;
-    if (k_lo > q_hi) return Cover::none;
-    if (k_hi <= q_lo) return Cover::all;
-    return Cover::some;
+    if (right >= 0 && k_lo > q_hi + right) return Cover::none;
+    if (left >= 0 && k_hi < q_lo - left) return Cover::none;
+    bool all = (right < 0 || k_hi <= q_lo + right) && (left < 0 || k_lo >= q_hi - left);
+    if (documents) {
+      const int64_t dq_lo = document_of(q_lo), dq_hi = document_of(q_hi);
+      const int64_t dk_lo = document_of(k_lo), dk_hi = document_of(k_hi);
+      if (dk_hi < dq_lo || dq_hi < dk_lo) return Cover::none;
+      all = all && dq_lo == dq_hi && dk_lo == dk_hi && dq_lo == dk_lo;
+    }
+    return all ? Cover::all : Cover::some;
   }
 };
 

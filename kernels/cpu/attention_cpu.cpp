@@ -26,15 +26,16 @@ namespace {
 // Per-thread tile buffers, allocated once per kernel call: O(tile), independent of S.
 struct Workspace {
   std::unique_ptr<float[], void (*)(void*)> mem{nullptr, std::free};
-  float* q = nullptr;  // [kTileQ, D]   converted queries (16-bit inputs only)
-  float* k = nullptr;  // [kTileK, D]   converted keys
-  float* v = nullptr;  // [kTileK, Dv]  converted values
-  float* s = nullptr;  // [kTileQ, kTileK] scores, then probabilities
-  float* o = nullptr;  // [kTileQ, Dv]  unnormalised output accumulator
-  float* m = nullptr;  // [kTileQ]      running row max
-  float* l = nullptr;  // [kTileQ]      running row sum
+  float* q = nullptr;               // [kTileQ, D]   converted queries (16-bit inputs only)
+  float* k = nullptr;               // [kTileK, D]   converted keys
+  float* v = nullptr;               // [kTileK, Dv]  converted values
+  float* s = nullptr;               // [kTileQ, kTileK] scores, then probabilities
+  float* o = nullptr;               // [kTileQ, Dv]  unnormalised output accumulator
+  float* m = nullptr;               // [kTileQ]      running row max
+  float* l = nullptr;               // [kTileQ]      running row sum
+  std::vector<int64_t> kpos, kdoc;  // [kTileK] key positions and documents of a masked tile
 
-  Workspace(int64_t d, int64_t dv) {
+  Workspace(int64_t d, int64_t dv) : kpos(size_t(kTileK)), kdoc(size_t(kTileK)) {
     int64_t sizes[] = {kTileQ * d,  kTileK * d, kTileK * dv, kTileQ * kTileK,
                        kTileQ * dv, kTileQ,     kTileQ};
     int64_t total = 0;
@@ -82,8 +83,13 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   const int64_t group = Hq / Hkv;
   const int64_t q_tiles = (q_len + kTileQ - 1) / kTileQ;
   const Mask mask = blk.mask;
-  auto q_pos = [&](int64_t i) { return blk.q_pos0 + i * blk.q_pos_stride; };  // i: block row
-  auto k_pos = [&](int64_t j) { return blk.k_pos0 + j * blk.k_pos_stride; };
+  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
+  auto q_pos = [&](int64_t i) {  // i: row of the block
+    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
+  };
+  auto k_pos = [&](int64_t j) {
+    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
+  };
 
   // Whole block hidden by the mask: nothing to do (ring steps in the future land here).
   if (mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)
@@ -132,13 +138,20 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
             // S = scale * Q K^T  [bq, bk]
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(D),
                         blk.scale, Q, int(ldq), K, int(ldk), 0.f, ws.s, int(bk));
+            if (cover == Mask::Cover::some) {  // the tile's key positions and documents, once
+              for (int64_t j = 0; j < bk; ++j) {
+                ws.kpos[size_t(j)] = k_pos(j0 + j);
+                ws.kdoc[size_t(j)] = mask.document_of(ws.kpos[size_t(j)]);
+              }
+            }
             bool any_row = false;
             for (int64_t i = 0; i < bq; ++i) {
               float* srow = ws.s + i * bk;
               if (cover == Mask::Cover::some) {
-                const int64_t qp = q_pos(i0 + i);
+                const int64_t qp = q_pos(i0 + i), qdoc = mask.document_of(qp);
                 for (int64_t j = 0; j < bk; ++j)
-                  if (!mask.visible(qp, k_pos(j0 + j))) srow[j] = -INFINITY;
+                  if (!mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc)
+                    srow[j] = -INFINITY;
               }
               const float m_new = std::max(ws.m[i], row_max(srow, bk));
               if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged

@@ -90,6 +90,10 @@ class Communicator {
   // send holds size() blocks of bytes_per_rank, block r for rank r;
   // "alltoall": (size() - 1) * bytes_per_rank (the block a rank keeps is not sent).
   virtual void alltoall(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  // Variable sizes: send_bytes[r] to rank r, recv_bytes[r] from rank r, each side back to back
+  // in rank order; "alltoall": the bytes sent to the other ranks.
+  virtual void alltoallv(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                         const std::vector<size_t>& recv_bytes) = 0;
   virtual void barrier() = 0;
 
   // Sub-groups: ranks with the same color form a new communicator, ordered by key.

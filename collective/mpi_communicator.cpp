@@ -212,6 +212,28 @@ void MpiCommunicator::alltoall(const void* send, void* recv, size_t bytes_per_ra
   counters_.add("alltoall", size_t(size_ - 1) * bytes_per_rank);
 }
 
+void MpiCommunicator::alltoallv(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                                const std::vector<size_t>& recv_bytes) {
+  DATTN_CHECK_ARG(send_bytes.size() == size_t(size_) && recv_bytes.size() == size_t(size_),
+                  "alltoallv counts", detail::cat(send_bytes.size(), "/", recv_bytes.size()),
+                  detail::cat(size_, " (one count per rank)"));
+  std::vector<int> sc(static_cast<size_t>(size_)), sd(static_cast<size_t>(size_));
+  std::vector<int> rc(static_cast<size_t>(size_)), rd(static_cast<size_t>(size_));
+  size_t so = 0, ro = 0, sent = 0;
+  for (int r = 0; r < size_; ++r) {
+    sc[size_t(r)] = as_int(send_bytes[size_t(r)], "alltoallv count");
+    sd[size_t(r)] = as_int(so, "alltoallv displacement");
+    rc[size_t(r)] = as_int(recv_bytes[size_t(r)], "alltoallv count");
+    rd[size_t(r)] = as_int(ro, "alltoallv displacement");
+    so += send_bytes[size_t(r)];
+    ro += recv_bytes[size_t(r)];
+    if (r != rank_) sent += send_bytes[size_t(r)];
+  }
+  DATTN_MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(),
+                                MPI_BYTE, comm_));
+  counters_.add("alltoall", sent);
+}
+
 void MpiCommunicator::barrier() {
   DATTN_MPI_CHECK(MPI_Barrier(comm_));
 }

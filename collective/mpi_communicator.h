@@ -50,6 +50,8 @@ class MpiCommunicator final : public Communicator {
                   const std::vector<size_t>& recv_bytes) override;
   void broadcast(void* buf, size_t bytes, int root) override;
   void alltoall(const void* send, void* recv, size_t bytes_per_rank) override;
+  void alltoallv(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                 const std::vector<size_t>& recv_bytes) override;
   void barrier() override;
 
   std::unique_ptr<Communicator> split(int color, int key) const override;

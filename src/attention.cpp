@@ -16,13 +16,19 @@ const char* strategy_name(Strategy s) {
   switch (s) {
     case Strategy::ring:
       return "ring";
+    case Strategy::ulysses:
+      return "ulysses";
+    case Strategy::hybrid:
+      return "hybrid";
   }
   return "?";
 }
 
 Strategy parse_strategy(const std::string& name) {
   if (name == "ring") return Strategy::ring;
-  DATTN_THROW("invalid strategy = '", name, "': expected ring");
+  if (name == "ulysses") return Strategy::ulysses;
+  if (name == "hybrid") return Strategy::hybrid;
+  DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses or hybrid");
 }
 
 Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
@@ -128,8 +134,15 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
                   const AttnSpec& spec, const Layout& layout, Strategy strategy) {
   Communicator& comm = rt.cp();
   const uint64_t hash = config_hash(spec, layout, strategy, q.dtype(), q.size(0));
-  agree_on_validation(comm, "attention call", hash, [&] {
+  // The Ulysses degree: ring 1, ulysses every cp rank, hybrid the runtime's groups.
+  const int U = strategy == Strategy::ring      ? 1
+                : strategy == Strategy::ulysses ? comm.size()
+                                                : rt.ulysses_degree();
+  agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
     check_tensors(q, k, v, spec);
+    DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
+                    detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
+                                strategy_name(strategy)));
     DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),
                     detail::cat(comm.size(), " (the context-parallel ranks)"));
     DATTN_CHECK_ARG(layout.global_seq() > 0, "global_seq", layout.global_seq(), "> 0");
@@ -143,11 +156,11 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
     DATTN_CHECK_ARG(k.size(1) == local, "k seq", k.size(1),
                     detail::cat(local, " (this rank's length under ", layout.str(), ")"));
   });
-  switch (strategy) {
-    case Strategy::ring:
-      return ring_attention_forward(comm, q, k, v, spec, layout);
-  }
-  DATTN_THROW("invalid strategy = ", int(strategy), ": expected ring");
+  if (U == 1) return ring_attention_forward(comm, q, k, v, spec, layout);
+  if (strategy == Strategy::ulysses)
+    return hybrid_attention_forward(comm, nullptr, q, k, v, spec, layout, comm.rank());
+  return hybrid_attention_forward(rt.ulysses_group(), &rt.ring_group(), q, k, v, spec, layout,
+                                  comm.rank());
 }
 
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,

@@ -13,7 +13,10 @@
 
 namespace dattn {
 
-enum class Strategy : uint8_t { ring = 0 };
+// ring: K/V blocks rotate around the cp ranks. ulysses: all-to-all from sequence shards to
+// head shards (needs heads_kv divisible by the cp ranks), local attention, all-to-all back.
+// hybrid: Ulysses inside groups of rt.ulysses_degree() ranks, ring across the groups (USP).
+enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2 };
 const char* strategy_name(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming the value
 

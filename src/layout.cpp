@@ -131,6 +131,26 @@ int64_t Layout::global_position(int rank, int64_t local_index) const {
               " on rank ", rank, " of ", str());
 }
 
+Layout Layout::grouped(int group_size) const {
+  DATTN_CHECK_ARG(group_size >= 1 && ranks_ % group_size == 0, "group size", group_size,
+                  detail::cat("a divisor of the layout's ranks (", ranks_, ")"));
+  Layout g = *this;
+  g.ranks_ = ranks_ / group_size;
+  g.runs_.assign(size_t(g.ranks_), {});
+  for (int group = 0; group < g.ranks_; ++group) {
+    int64_t offset = 0;
+    for (int m = 0; m < group_size; ++m) {
+      const int r = group * group_size + m;
+      for (Run run : runs(r)) {
+        run.local_begin += offset;
+        g.runs_[size_t(group)].push_back(run);
+      }
+      offset += local_len(r);
+    }
+  }
+  return g;
+}
+
 bool Layout::any_visible(const Mask& mask, int q_rank, int k_rank) const {
   for (const Run& q : runs(q_rank)) {
     for (const Run& k : runs(k_rank)) {

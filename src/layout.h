@@ -64,6 +64,11 @@ class Layout {
   const std::vector<Run>& runs(int rank) const;
   int64_t global_position(int rank, int64_t local_index) const;
 
+  // The layout of groups of `group_size` consecutive ranks (hybrid strategy): group g holds the
+  // runs of ranks g*U .. g*U+U-1, one after the other (what an all-to-all inside the group
+  // gathers). ranks() must divide by group_size.
+  Layout grouped(int group_size) const;
+
   // Whether any query held by q_rank sees any key held by k_rank under the mask.
   bool any_visible(const Mask& mask, int q_rank, int k_rank) const;
 

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "kernels/cpu/attention_cpu.h"
+
 namespace dattn {
 
 double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSpec& spec) {
@@ -49,6 +51,68 @@ uint64_t ring_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t bat
       bytes += uint64_t(batch) * uint64_t(layout.local_len(origin)) * row;
   }
   return bytes;
+}
+
+namespace {
+// The spec of one Ulysses member: H/U heads, the same scale.
+AttnSpec heads_of_member(const AttnSpec& spec, int U) {
+  AttnSpec sub = spec;
+  sub.heads_q = spec.heads_q / U;
+  sub.heads_kv = spec.heads_kv / U;
+  sub.softmax_scale = spec.scale();
+  return sub;
+}
+}  // namespace
+
+uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const AttnSpec& spec,
+                              int64_t batch, DType dtype, int ulysses, int rank) {
+  const int U = strategy == Strategy::ring ? 1 : ulysses;
+  if (U == 1) return ring_send_bytes(layout, spec, batch, dtype, rank);
+  const AttnSpec sub = heads_of_member(spec, U);
+  const int first = rank - rank % U;
+  const uint64_t esz = dtype_size(dtype), B = uint64_t(batch);
+  const uint64_t in_row = uint64_t(sub.heads_q * sub.head_dim + sub.heads_kv * sub.head_dim +
+                                   sub.heads_kv * sub.dim_v()) *
+                          esz;                                                         // Q, K, V
+  const uint64_t out_row = uint64_t(sub.heads_q * (sub.dim_v() + 1)) * sizeof(float);  // out, lse
+  uint64_t bytes = 0;
+  for (int j = first; j < first + U; ++j) {
+    if (j == rank) continue;
+    bytes += B * uint64_t(layout.local_len(rank)) * in_row;  // my rows of j's heads
+    bytes += B * uint64_t(layout.local_len(j)) * out_row;    // j's rows of my heads, back
+  }
+  if (layout.ranks() / U > 1)
+    bytes += ring_send_bytes(layout.grouped(U), sub, batch, dtype, rank / U);
+  return bytes;
+}
+
+double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnSpec& spec,
+                            int64_t batch, int ulysses, int rank) {
+  const int U = strategy == Strategy::ring ? 1 : ulysses;
+  const Layout l = U == 1 ? layout : layout.grouped(U);
+  const AttnSpec sub = heads_of_member(spec, U);
+  const int me = rank / U, P = l.ranks();
+  // Per computed tile: S = QK^T and O += PV over kTileQ x kTileK scores, every query head.
+  const double per_score = 2.0 * double(sub.head_dim + sub.dim_v()) * double(sub.heads_q * batch);
+  double flops = 0;
+  for (int origin = 0; origin < P; ++origin) {
+    if (!l.any_visible(spec.mask, me, origin)) continue;
+    for (const Run& qr : l.runs(me)) {
+      for (const Run& kr : l.runs(origin)) {
+        for (int64_t i0 = 0; i0 < qr.length; i0 += cpu::kTileQ) {
+          const int64_t bq = std::min(cpu::kTileQ, qr.length - i0);
+          const int64_t q_lo = qr.position(i0), q_hi = qr.position(i0 + bq - 1);
+          for (int64_t j0 = 0; j0 < kr.length; j0 += cpu::kTileK) {
+            const int64_t bk = std::min(cpu::kTileK, kr.length - j0);
+            if (spec.mask.cover(q_lo, q_hi, kr.position(j0), kr.position(j0 + bk - 1)) !=
+                Mask::Cover::none)
+              flops += per_score * double(bq * bk);
+          }
+        }
+      }
+    }
+  }
+  return flops;
 }
 
 }  // namespace dattn

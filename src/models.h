@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "src/attention.h"
 #include "src/dtype.h"
 #include "src/layout.h"
 #include "src/spec.h"
@@ -20,6 +21,21 @@ double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSp
 // when S divides and D_v = D, and fewer under a causal mask.
 uint64_t ring_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch, DType dtype,
                          int rank);
+
+// Bytes `rank` (a cp rank) sends in one attention call of `strategy`, point-to-point and
+// all-to-all together (validation's small allreduce excluded). `ulysses` is the Ulysses degree U:
+// ring 1, ulysses the number of cp ranks, hybrid the runtime's. Ulysses sends each other member
+// of its group its rows of the other members' heads (Q, K, V in the storage dtype) and, on the
+// way back, their rows of its heads (out and lse, fp32); hybrid adds the ring over the groups
+// with H / U heads.
+uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const AttnSpec& spec,
+                              int64_t batch, DType dtype, int ulysses, int rank);
+
+// FLOPs `rank` computes in one attention call of `strategy`, counting only the kernel tiles
+// (kTileQ x kTileK) that the mask does not hide entirely, as the kernel skips them. Its max over
+// ranks divided by its mean is the load balance of a layout.
+double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnSpec& spec,
+                            int64_t batch, int ulysses, int rank);
 
 // Whether, at ring step `step`, the block that started on rank `origin` must be sent on to the
 // next rank: some rank it has still to reach holds a query that sees it. Shared by the ring

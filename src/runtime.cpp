@@ -23,7 +23,7 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
 
   uint64_t h = kHashSeed;
   for (int64_t x : {int64_t(options.device.kind), int64_t(options.device.index),
-                    int64_t(options.cp), int64_t(options.tp)})
+                    int64_t(options.cp), int64_t(options.tp), int64_t(options.ulysses)})
     h = hash_mix(h, uint64_t(x));
   agree_on_validation(*rt.world_, "runtime options", h, [&] {
     DATTN_CHECK_ARG(options.device.is_cpu(), "device", options.device.str(),
@@ -34,12 +34,21 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     DATTN_CHECK_ARG(cp * options.tp == P, "cp x tp", detail::cat(cp, " x ", options.tp),
                     detail::cat("the number of ranks (", P, ")"));
     DATTN_CHECK_ARG(options.threads >= 0, "threads", options.threads, ">= 0 (0: automatic)");
+    DATTN_CHECK_ARG(options.ulysses >= 1 && cp % options.ulysses == 0, "ulysses", options.ulysses,
+                    detail::cat("a divisor of the cp degree (", cp, ")"));
   });
   rt.device_ = options.device;
   rt.tp_ = options.tp;
   // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
   rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);
   rt.node_ranks_ = rt.world_->split_node()->size();
+  // Hybrid groups: U consecutive cp ranks exchange heads; rank u of every group forms a ring.
+  rt.ulysses_ = options.ulysses;
+  if (rt.ulysses_ > 1) {
+    const int c = rt.cp_->rank(), U = rt.ulysses_;
+    rt.ulysses_group_ = rt.cp_->split(c / U, c % U);
+    rt.ring_group_ = rt.cp_->split(c % U, c / U);
+  }
 
   // Threads: explicit, else OMP_NUM_THREADS, else the node's cores shared among its ranks
   // (OpenMP's default of every core per rank oversubscribes the node P-fold).
@@ -53,6 +62,34 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   }
   omp_set_num_threads(rt.threads_);
   return rt;
+}
+
+Communicator& Runtime::ulysses_group() {
+  if (!ulysses_group_) DATTN_THROW("the runtime has no Ulysses groups: RuntimeOptions.ulysses = 1");
+  return *ulysses_group_;
+}
+
+Communicator& Runtime::ring_group() {
+  if (!ring_group_) DATTN_THROW("the runtime has no Ulysses groups: RuntimeOptions.ulysses = 1");
+  return *ring_group_;
+}
+
+ByteCounters Runtime::counters() const {
+  ByteCounters all = cp_->counters();
+  for (const auto* c : {ulysses_group_.get(), ring_group_.get()}) {
+    if (c == nullptr) continue;
+    for (const auto& [op, e] : c->counters().ops) {
+      all.ops[op].calls += e.calls;
+      all.ops[op].bytes += e.bytes;
+    }
+  }
+  return all;
+}
+
+void Runtime::reset_counters() {
+  cp_->reset_counters();
+  if (ulysses_group_) ulysses_group_->reset_counters();
+  if (ring_group_) ring_group_->reset_counters();
 }
 
 }  // namespace dattn

@@ -17,6 +17,8 @@ struct RuntimeOptions {
   int cp = 0;       // context-parallel degree; 0 means all ranks / tp
   int tp = 1;       // tensor-parallel degree (ranks form a cp x tp grid, tp fastest)
   int threads = 0;  // OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else cores per rank
+  int ulysses = 1;  // Ulysses degree U of the hybrid strategy: cp ranks form R x U groups
+                    // (U consecutive cp ranks exchange heads, R = cp / U groups form a ring)
 };
 
 class Runtime {
@@ -30,8 +32,16 @@ class Runtime {
   int cp_rank() const { return cp_->rank(); }
   int cp_size() const { return cp_->size(); }
   int tp_size() const { return tp_; }
+  int ulysses_degree() const { return ulysses_; }
   Communicator& world() { return *world_; }
   Communicator& cp() { return *cp_; }
+  // The hybrid strategy's groups (ulysses_degree() > 1 only): the U ranks that exchange heads,
+  // and the R ranks, one per group, that form the ring. Throws when ulysses_degree() == 1.
+  Communicator& ulysses_group();
+  Communicator& ring_group();
+  // Bytes this rank sent per operation over cp() and the hybrid groups together.
+  ByteCounters counters() const;
+  void reset_counters();
   Device device() const { return device_; }
   int threads() const { return threads_; }
   int node_ranks() const { return node_ranks_; }  // ranks sharing this node
@@ -40,8 +50,10 @@ class Runtime {
   Runtime() = default;
   std::unique_ptr<Communicator> world_;
   std::unique_ptr<Communicator> cp_;
+  std::unique_ptr<Communicator> ulysses_group_, ring_group_;
   Device device_;
   int tp_ = 1;
+  int ulysses_ = 1;
   int threads_ = 1;
   int node_ranks_ = 1;
 };

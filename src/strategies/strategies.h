@@ -11,6 +11,14 @@ namespace dattn {
 Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor& k,
                                const Tensor& v, const AttnSpec& spec, const Layout& layout);
 
+// Ulysses / hybrid attention (hybrid.cpp): an all-to-all inside `group` (U ranks, consecutive
+// cp ranks; cp_rank is this rank's), then attention of the group's sequence with H/U heads,
+// locally (ring == nullptr or of size 1) or by ring attention over `ring` (one rank per group),
+// then the all-to-all back. heads_q and heads_kv must divide by U.
+Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const Tensor& q,
+                                 const Tensor& k, const Tensor& v, const AttnSpec& spec,
+                                 const Layout& layout, int cp_rank);
+
 // Attends q's runs (held by q_rank) to a K/V block holding k_rank's runs, into res.
 void attend_runs(const Tensor& q, const void* k, const void* v, int64_t k_rows,
                  const AttnSpec& spec, const Layout& layout, int q_rank, int k_rank, Partial& res);

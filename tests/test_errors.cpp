@@ -1,6 +1,7 @@
 // Multi-rank tests (1-4 ranks) of error handling: bad input to dattn::attention throws a
 // dattn::Error on every rank (no rank hangs), whose what() names the parameter, the mismatch or
-// the rank at fault; plus the errors of layouts, the runtime, and dtype/strategy names.
+// the rank at fault (masks, Ulysses/hybrid head splits included); plus the errors of layouts, the
+// runtime (its Ulysses degree), and dtype/strategy names.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -370,6 +371,116 @@ TEST(NameErrors, ParseDtypeAndStrategy) {
   EXPECT_TRUE(throws_naming([] { parse_dtype(""); }, {"dtype"}));
   EXPECT_TRUE(throws_naming([] { parse_strategy("tree"); }, {"strategy", "tree"}));
   EXPECT_TRUE(throws_naming([] { parse_strategy("Ring "); }, {"strategy", "Ring "}));
+}
+
+// ---------------------------------------------------------------- masks, Ulysses and hybrid
+
+TEST_F(AttentionErrors, NegativeWindowNamesWindowLeft) {
+  Call c(P, me);
+  c.spec.mask = Mask::window(-5);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"window left", "-5"}));
+  c.spec.mask = Mask::window(4, -7);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"window right", "-7"}));
+}
+
+TEST_F(AttentionErrors, DocumentsNotEndingAtGlobalSeq) {
+  Call c(P, me);  // S = 4 P
+  c.spec.mask = Mask::document({0, 3, c.S - 1}, true);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  c.spec.mask = Mask::document({0, 3, c.S + 2}, false);
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  c.spec.mask = Mask::document({0, 3, 3, c.S}, true);  // not increasing
+  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  // Ending at S is valid, under the ring and Ulysses (12 K/V heads divide by 1 to 4 ranks).
+  c.spec.mask = Mask::document({0, 3, c.S}, true);
+  c.spec.heads_kv = 12;
+  c.spec.heads_q = 12;
+  c.make_tensors(me);
+  for (Strategy s : {Strategy::ring, Strategy::ulysses}) {
+    Partial r = attention(*rt, c.q, c.k, c.v, c.spec, c.layout, s);
+    EXPECT_EQ(r.out.size(1), c.layout.local_len(me)) << strategy_name(s);
+  }
+}
+
+// Ulysses splits the K/V heads over the cp ranks: heads_kv must divide by them.
+TEST_F(AttentionErrors, UlyssesHeadsKvNotDivisibleByCpRanks) {
+  if (P < 2) GTEST_SKIP() << "every heads_kv divides by 1 rank";
+  Call c(P, me);
+  for (int64_t hkv = 1; hkv <= 6; ++hkv) {
+    if (hkv % P == 0) continue;
+    c.spec.heads_kv = hkv;
+    c.spec.heads_q = 2 * hkv;
+    c.make_tensors(me);
+    EXPECT_TRUE(throws_naming(
+        [&] { attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses); }, {"heads_kv"}))
+        << "heads_kv = " << hkv << " on " << P << " ranks";
+  }
+  c.spec.heads_kv = P + 1;  // never a multiple of P
+  c.spec.heads_q = 2 * (P + 1);
+  c.make_tensors(me);
+  // The same problem runs under the ring, and under Ulysses with heads_kv = P.
+  EXPECT_NO_THROW(attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ring));
+  c.spec.heads_kv = P;
+  c.spec.heads_q = 2 * P;
+  c.make_tensors(me);
+  EXPECT_NO_THROW(attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses));
+}
+
+// The hybrid's Ulysses groups split heads_kv over U ranks.
+TEST(HybridErrors, HeadsKvNotDivisibleByUlyssesDegree) {
+  int P = 1, me = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &P);
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (P % 2 != 0) GTEST_SKIP() << "needs an even number of ranks (U = 2)";
+  RuntimeOptions o;
+  o.ulysses = 2;
+  Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, o);
+  Call c(P, me);
+  c.spec.heads_kv = 3;
+  c.spec.heads_q = 6;
+  c.make_tensors(me);
+  EXPECT_TRUE(throws_naming(
+      [&] { attention(rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::hybrid); }, {"heads_kv"}));
+  c.spec.heads_kv = 2;
+  c.spec.heads_q = 4;
+  c.make_tensors(me);
+  EXPECT_NO_THROW(attention(rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::hybrid));
+}
+
+// RuntimeOptions.ulysses must divide the cp ranks: every rank throws, naming it.
+TEST(RuntimeErrors, UlyssesDegreeNotDividingCp) {
+  int P = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &P);
+  for (int u : {P + 1, 0, -2}) {
+    RuntimeOptions o;
+    o.ulysses = u;
+    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses"}))
+        << "ulysses = " << u;
+  }
+  if (P == 4) {
+    RuntimeOptions o;
+    o.ulysses = 3;
+    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses", "3"}));
+  }
+  // Every divisor works.
+  for (int u = 1; u <= P; ++u) {
+    if (P % u != 0) continue;
+    RuntimeOptions o;
+    o.ulysses = u;
+    Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, o);
+    EXPECT_EQ(rt.ulysses_degree(), u);
+  }
+}
+
+TEST(NameErrors, ParseEveryStrategy) {
+  for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::hybrid}) {
+    EXPECT_EQ(parse_strategy(strategy_name(s)), s) << strategy_name(s);
+  }
+  EXPECT_EQ(parse_strategy("ulysses"), Strategy::ulysses);
+  EXPECT_EQ(parse_strategy("hybrid"), Strategy::hybrid);
+  EXPECT_EQ(std::string(strategy_name(Strategy::ulysses)), "ulysses");
+  EXPECT_EQ(std::string(strategy_name(Strategy::hybrid)), "hybrid");
+  EXPECT_TRUE(throws_naming([] { parse_strategy("usp"); }, {"strategy", "usp"}));
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
-// Single-process tests of the contiguous layout (lengths, runs, positions, visibility, dispatch)
-// and of the FLOP and ring byte models (src/models.h) against closed forms written here, for
-// 1 to 8 ranks, including sequences that do not divide and ranks holding no token.
+// Single-process tests of the layouts (contiguous, zigzag, striped blocks, varlen, grouped:
+// lengths, runs, positions, visibility, dispatch) and of the FLOP, byte and load-balance models
+// (src/models.h) against closed forms written here, for 1 to 8 ranks, including sequences that do
+// not divide and ranks holding no token.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -274,6 +277,253 @@ TEST(Models, AttentionFlops) {
   spec.head_dim = 192;
   spec.head_dim_v = 128;
   EXPECT_DOUBLE_EQ(attention_flops(1, 10, 30, spec), 2.0 * 8 * 10 * 30 * (192 + 128));
+}
+
+// ---------------------------------------------------------------- striped blocks and varlen
+
+// Checks that every global token of l sits on exactly one rank, at one local row, and that local
+// lengths add up; returns the rank of every token.
+std::vector<int> owners(const Layout& l) {
+  const int64_t S = l.global_seq();
+  std::vector<int> owner(static_cast<size_t>(S), -1);
+  int64_t total = 0;
+  for (int r = 0; r < l.ranks(); ++r) {
+    int64_t covered = 0;
+    for (const dattn::Run& run : l.runs(r))
+      covered += run.length;
+    EXPECT_EQ(covered, l.local_len(r)) << "rank " << r;
+    total += l.local_len(r);
+    for (int64_t i = 0; i < l.local_len(r); ++i) {
+      const int64_t g = l.global_position(r, i);
+      EXPECT_TRUE(g >= 0 && g < S) << "rank " << r << " row " << i << " at " << g;
+      if (g < 0 || g >= S) continue;
+      EXPECT_EQ(owner[size_t(g)], -1)
+          << "token " << g << " on ranks " << owner[size_t(g)] << " and " << r;
+      owner[size_t(g)] = r;
+    }
+  }
+  EXPECT_EQ(total, S);
+  for (int64_t g = 0; g < S; ++g)
+    EXPECT_NE(owner[size_t(g)], -1) << "token " << g << " on no rank";
+  return owner;
+}
+
+TEST(StripedLayout, BlocksRoundRobin) {
+  for (int P : {1, 2, 3, 4, 5}) {
+    for (int64_t block : {1, 3, 16}) {
+      for (int64_t S : {int64_t(0), int64_t(1), int64_t(block * P), int64_t(block * P * 3 + 1),
+                        int64_t(block * P * 2 - 1), int64_t(97), int64_t(200)}) {
+        SCOPED_TRACE(testing::Message() << "S=" << S << " P=" << P << " block=" << block);
+        const Layout l = Layout::striped(S, P, block);
+        EXPECT_EQ(l.kind(), Layout::Kind::striped);
+        EXPECT_EQ(l.global_seq(), S);
+        const std::vector<int> owner = owners(l);
+        for (int64_t g = 0; g < S; ++g)
+          ASSERT_EQ(owner[size_t(g)], int((g / block) % P)) << "token " << g;
+        // Each rank's tokens in increasing order (what the kernel's position rule gives).
+        for (int r = 0; r < P; ++r)
+          for (int64_t i = 1; i < l.local_len(r); ++i)
+            ASSERT_LT(l.global_position(r, i - 1), l.global_position(r, i)) << "rank " << r;
+      }
+    }
+  }
+  EXPECT_NE(Layout::striped(64, 4, 1).hash(), Layout::striped(64, 4, 3).hash());
+  EXPECT_NE(Layout::striped(64, 4, 3).str(), Layout::striped(64, 4, 16).str());
+  EXPECT_THROW(Layout::striped(64, 4, 0), Error);
+}
+
+// The zigzag chunking rule for one document: 2P chunks, the first len % 2P one token longer.
+int64_t chunk_begin(int64_t begin, int64_t len, int P, int c) {
+  const int64_t base = len / (2 * P), extra = len % (2 * P);
+  return begin + c * base + std::min<int64_t>(c, extra);
+}
+
+TEST(VarlenLayout, DocumentChunksRAnd2PMinus1MinusR) {
+  const std::vector<std::vector<int64_t>> cus = {
+      {0, 64},                        // one document
+      {0, 1, 2, 3},                   // 1-token documents only
+      {0, 5, 6, 40, 41, 100},         // 1-token documents between longer ones
+      {0, 3, 10, 13, 50},             // documents shorter than 2P
+      {0, 17, 34, 35, 99, 128, 129},  // uneven lengths
+  };
+  for (int P : {1, 2, 3, 4, 6}) {
+    for (const auto& cu : cus) {
+      SCOPED_TRACE(testing::Message()
+                   << "P=" << P << " docs=" << cu.size() - 1 << " S=" << cu.back());
+      const Layout l = Layout::varlen(cu, P);
+      EXPECT_EQ(l.kind(), Layout::Kind::varlen);
+      EXPECT_EQ(l.global_seq(), cu.back());
+      EXPECT_EQ(l.ranks(), P);
+      const std::vector<int> owner = owners(l);
+      for (size_t d = 0; d + 1 < cu.size(); ++d) {
+        const int64_t begin = cu[d], len = cu[d + 1] - cu[d];
+        for (int c = 0; c < 2 * P; ++c) {
+          const int expect = c < P ? c : 2 * P - 1 - c;
+          for (int64_t g = chunk_begin(begin, len, P, c); g < chunk_begin(begin, len, P, c + 1);
+               ++g)
+            ASSERT_EQ(owner[size_t(g)], expect)
+                << "document " << d << " chunk " << c << " token " << g;
+        }
+      }
+      // A document mask on the same boundaries: ranks see each other only through documents.
+      const Mask m = Mask::document(cu, false);
+      for (int qr = 0; qr < P; ++qr)
+        for (int kr = 0; kr < P; ++kr) {
+          bool any = false;
+          for (int64_t i = 0; i < l.local_len(qr) && !any; ++i)
+            for (int64_t j = 0; j < l.local_len(kr) && !any; ++j)
+              any = m.visible(l.global_position(qr, i), l.global_position(kr, j));
+          if (any) {
+            EXPECT_TRUE(l.any_visible(m, qr, kr)) << "q" << qr << " k" << kr;
+          }
+        }
+    }
+  }
+  EXPECT_NE(Layout::varlen({0, 5, 10}, 2).hash(), Layout::varlen({0, 4, 10}, 2).hash());
+  EXPECT_NE(Layout::varlen({0, 10}, 2).hash(), Layout::zigzag(10, 2).hash());
+}
+
+TEST(VarlenLayout, BadCuSeqlensIsADattnErrorNamingCuSeqlens) {
+  for (const std::vector<int64_t>& cu :
+       std::vector<std::vector<int64_t>>{{1, 5, 9}, {0, 5, 5, 9}, {0, 7, 3}, {0}, {}}) {
+    try {
+      Layout::varlen(cu, 2);
+      ADD_FAILURE() << "varlen with " << cu.size() << " bad cu_seqlens did not throw";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cu_seqlens"), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "threw a non-dattn exception: " << e.what();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- grouped layouts (hybrid)
+
+TEST(GroupedLayout, GroupsConcatenateTheirRanksRuns) {
+  std::vector<Layout> layouts;
+  for (int P : {1, 2, 4, 6}) {
+    for (int64_t S : {int64_t(0), int64_t(1), int64_t(3 * P + 1), int64_t(8 * P), int64_t(50)}) {
+      layouts.push_back(Layout::contiguous(S, P));
+      layouts.push_back(Layout::zigzag(S, P));
+      layouts.push_back(Layout::striped(S, P, 1));
+      layouts.push_back(Layout::striped(S, P, 3));
+    }
+    layouts.push_back(Layout::varlen({0, 1, 9, 10, 37}, P));
+  }
+  for (const Layout& l : layouts) {
+    const int P = l.ranks();
+    for (int U = 1; U <= P; ++U) {
+      if (P % U != 0) continue;
+      SCOPED_TRACE(testing::Message() << l.str() << " U=" << U);
+      const Layout g = l.grouped(U);
+      ASSERT_EQ(g.ranks(), P / U);
+      EXPECT_EQ(g.global_seq(), l.global_seq());
+      for (int grp = 0; grp < P / U; ++grp) {
+        std::vector<dattn::Run> expect;
+        int64_t offset = 0, len = 0;
+        for (int r = grp * U; r < grp * U + U; ++r) {
+          for (dattn::Run run : l.runs(r)) {
+            run.local_begin += offset;
+            expect.push_back(run);
+          }
+          // Positions preserved: member r's row i is the group's row offset + i.
+          for (int64_t i = 0; i < l.local_len(r); ++i)
+            ASSERT_EQ(g.global_position(grp, offset + i), l.global_position(r, i))
+                << "group " << grp << " member " << r << " row " << i;
+          offset += l.local_len(r);
+          len += l.local_len(r);
+        }
+        EXPECT_EQ(g.local_len(grp), len) << "group " << grp;
+        const auto& got = g.runs(grp);
+        ASSERT_EQ(got.size(), expect.size()) << "group " << grp;
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].local_begin, expect[i].local_begin) << "group " << grp << " run " << i;
+          EXPECT_EQ(got[i].global_begin, expect[i].global_begin) << "group " << grp << " run " << i;
+          EXPECT_EQ(got[i].stride, expect[i].stride) << "group " << grp << " run " << i;
+          EXPECT_EQ(got[i].block, expect[i].block) << "group " << grp << " run " << i;
+          EXPECT_EQ(got[i].length, expect[i].length) << "group " << grp << " run " << i;
+        }
+      }
+    }
+  }
+  // A group size that does not divide the ranks is an error.
+  EXPECT_THROW(Layout::contiguous(16, 4).grouped(3), Error);
+  EXPECT_THROW(Layout::contiguous(16, 4).grouped(0), Error);
+}
+
+// ---------------------------------------------------------------- FLOP model per rank
+
+double max_over_mean(const std::vector<double>& f) {
+  const double mean = std::accumulate(f.begin(), f.end(), 0.0) / double(f.size());
+  return *std::max_element(f.begin(), f.end()) / mean;
+}
+
+// Causal attention at P = 4: zigzag and striped spread the work evenly, contiguous does not (the
+// last rank computes about 7/4 of the mean).
+TEST(LoadBalanceModel, CausalZigzagAndStripedBalanceContiguousDoesNot) {
+  const int P = 4;
+  const int64_t S = 16384, B = 1;
+  AttnSpec spec;
+  spec.heads_q = 8;
+  spec.heads_kv = 8;
+  spec.head_dim = 128;
+  spec.mask = Mask::causal();
+  for (const char* kind : {"contiguous", "zigzag", "striped"}) {
+    SCOPED_TRACE(kind);
+    const Layout l = Layout::make(kind, S, P);
+    std::vector<double> f;
+    for (int r = 0; r < P; ++r)
+      f.push_back(attention_rank_flops(Strategy::ring, l, spec, B, 1, r));
+    for (int r = 0; r < P; ++r)
+      EXPECT_GT(f[size_t(r)], 0) << "rank " << r;
+    // Whole tiles: at least the exact causal work, at most the non-causal work.
+    const double sum = std::accumulate(f.begin(), f.end(), 0.0);
+    AttnSpec full = spec;
+    full.mask = Mask::none();
+    EXPECT_GE(sum, attention_flops(B, S, S, spec) * (double(S + 1) / double(S)) * (1 - 1e-12));
+    EXPECT_LE(sum, attention_flops(B, S, S, full) * (1 + 1e-12));
+    const double balance = max_over_mean(f);
+    if (std::string(kind) == "contiguous") {
+      EXPECT_GT(balance, 1.5);
+    } else {
+      EXPECT_LE(balance, 1.05);
+    }
+    // Ulysses: every rank attends the whole sequence for H / P heads, the same work everywhere.
+    std::vector<double> u;
+    for (int r = 0; r < P; ++r)
+      u.push_back(attention_rank_flops(Strategy::ulysses, l, spec, B, P, r));
+    EXPECT_NEAR(max_over_mean(u), 1.0, 1e-9);
+  }
+}
+
+// Without a mask nothing is skipped: the ranks' FLOPs add up to the whole problem's, for every
+// strategy.
+TEST(LoadBalanceModel, NoMaskRankFlopsSumToTheTotal) {
+  AttnSpec spec;
+  spec.heads_q = 8;
+  spec.heads_kv = 4;
+  spec.head_dim = 64;
+  spec.head_dim_v = 32;
+  const int64_t B = 2, S = 3000;
+  for (int P : {1, 2, 4}) {
+    for (const char* kind : {"contiguous", "zigzag", "striped"}) {
+      const Layout l = Layout::make(kind, S, P);
+      struct SU {
+        Strategy s;
+        int u;
+      };
+      std::vector<SU> sus = {{Strategy::ring, 1}, {Strategy::ulysses, P}};
+      if (P % 2 == 0) sus.push_back({Strategy::hybrid, 2});
+      for (const SU& su : sus) {
+        SCOPED_TRACE(testing::Message()
+                     << kind << " P=" << P << " " << strategy_name(su.s) << " U=" << su.u);
+        double sum = 0;
+        for (int r = 0; r < P; ++r)
+          sum += attention_rank_flops(su.s, l, spec, B, su.u, r);
+        EXPECT_NEAR(sum, attention_flops(B, S, S, spec), 1e-9 * attention_flops(B, S, S, spec));
+      }
+    }
+  }
 }
 
 }  // namespace

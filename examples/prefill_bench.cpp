@@ -1,6 +1,7 @@
 // dattn-prefill-bench: the long-context prefill benchmark, nccl-tests style. Each rank generates
-// its own shard of q, k, v, times dattn::attention over a range of sequence lengths, checks the
-// bytes it sent against the ring byte model and, with --check, sampled rows against float64.
+// its own shard of q, k, v, times dattn::attention (ring, ulysses or hybrid; any layout and mask)
+// over a range of sequence lengths, checks the bytes it sent against attention_send_bytes, reports
+// the model's load balance and, with --check, compares sampled rows against float64.
 #include <mpi.h>
 #include <omp.h>
 #include <sched.h>
@@ -43,22 +44,68 @@ struct Options {
   int64_t seq_factor = 2;
   std::string dtype_name = "bf16";
   DType dtype = DType::bf16;
-  int causal = 1;
   std::string strategy_name = "ring";
-  std::string layout = "contiguous";
   dattn::Strategy strategy = dattn::Strategy::ring;
+  int ulysses = 1;  // the Ulysses degree U of the models: ring 1, ulysses P, hybrid -u
+  std::string layout = "contiguous";
+  int64_t stripe_block = 1;
+  std::string mask = "causal";  // none, causal, window or document
+  int causal = -1;              // -c as given (-1: not given)
+  bool doc_causal = true;       // causal inside documents (mask document)
+  std::string window;           // -W as given
+  int64_t window_left = 0, window_right = 0;
+  std::string doc_lens_str;       // --doc-lens as given
+  std::vector<int64_t> doc_lens;  // document lengths (--doc-lens), or empty
+  int64_t doc_count = 0;          // --doc-count, or 0
   int iters = 5;
   int warmup = 1;
   int check = 0;
   int threads = 0;
   std::string json;
   bool scaling = false;
+  bool compare_layouts = false;
+  bool compare_unmasked = false;
+
+  bool has_documents() const { return !doc_lens.empty() || doc_count > 0; }
 };
 
 int world_rank() {
   int rank = 0;
   DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   return rank;
+}
+
+int world_size() {
+  int size = 0;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  return size;
+}
+
+// A whole decimal integer, or nullopt.
+std::optional<int64_t> parse_int(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  size_t used = 0;
+  try {
+    const long long v = std::stoll(s, &used, 10);
+    if (used != s.size()) return std::nullopt;
+    return int64_t(v);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// "a,b,c" -> the integers, or nullopt when any item is not one.
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s) {
+  std::vector<int64_t> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = s.find(',', begin);
+    const auto v = parse_int(s.substr(begin, comma == std::string::npos ? comma : comma - begin));
+    if (!v) return std::nullopt;
+    out.push_back(*v);
+    if (comma == std::string::npos) return out;
+    begin = comma + 1;
+  }
 }
 
 // Parses and validates the command line; nullopt when --help or --version was answered.
@@ -84,11 +131,27 @@ std::optional<Options> parse_options(int argc, char** argv) {
      "sequence lengths s, s*f, s*f^2, ... <= e")
     ("dtype,t", po::value(&o.dtype_name)->default_value(o.dtype_name),
      "storage dtype: fp32, bf16 or fp16")
-    ("causal,c", po::value(&o.causal)->default_value(o.causal), "causal mask (0 or 1)")
-    ("layout,l", po::value(&o.layout)->default_value(o.layout),
-     "context-parallel layout: contiguous, zigzag or striped")
     ("strategy,a", po::value(&o.strategy_name)->default_value(o.strategy_name),
-     "schedule: ring")
+     "schedule: ring, ulysses (Ulysses degree = all ranks; --kv-heads divisible by the ranks) "
+     "or hybrid (Ulysses inside groups of -u ranks, ring across them)")
+    ("ulysses-degree,u", po::value(&o.ulysses)->default_value(o.ulysses),
+     "Ulysses degree U of --strategy hybrid (divides the ranks and --kv-heads)")
+    ("layout,l", po::value(&o.layout)->default_value(o.layout),
+     "context-parallel layout: contiguous, zigzag, striped or varlen (zigzag per document; "
+     "needs --doc-lens or --doc-count)")
+    ("stripe-block", po::value(&o.stripe_block)->default_value(o.stripe_block),
+     "tokens per block of --layout striped")
+    ("mask,m", po::value(&o.mask)->value_name("arg (=causal)"),
+     "mask: none, causal, window (needs -W) or document (needs --doc-lens or --doc-count)")
+    ("causal,c", po::value(&o.causal)->value_name("0|1"),
+     "shorthand for the mask: 0 = none, 1 = causal; with -m document, causal inside the "
+     "documents (default 1); an error if it disagrees with -m")
+    ("window,W", po::value(&o.window)->value_name("L[,R]"),
+     "mask window: keys from q-L to q+R (R default 0)")
+    ("doc-lens", po::value(&o.doc_lens_str)->value_name("LIST"),
+     "comma-separated document lengths summing to the sequence length (one length only)")
+    ("doc-count", po::value(&o.doc_count)->value_name("N"),
+     "cut each sequence length into N documents of pseudo-random lengths (fixed seed)")
     ("iters,n", po::value(&o.iters)->default_value(o.iters), "timed iterations")
     ("warmup,w", po::value(&o.warmup)->default_value(o.warmup), "untimed warm-up iterations")
     ("check,k", po::value(&o.check)->default_value(o.check),
@@ -98,6 +161,10 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("json,J", po::value(&o.json)->value_name("FILE"), "also write the rows as JSON to FILE")
     ("scaling", po::bool_switch(&o.scaling),
      "after the table, time 1 rank x P*T threads on the largest seq (parallel efficiency)")
+    ("compare-layouts", po::bool_switch(&o.compare_layouts),
+     "after the table, time the largest seq under layouts contiguous and zigzag")
+    ("compare-unmasked", po::bool_switch(&o.compare_unmasked),
+     "after the table, time the largest seq with mask none (the mask's time ratio)")
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
@@ -111,33 +178,128 @@ std::optional<Options> parse_options(int argc, char** argv) {
     return std::nullopt;
   }
 
+  using dattn::require_option;
+  using dattn::detail::cat;
   if (!vm.count("seq-end")) o.seq_end = o.seq_begin;
-  dattn::require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
-  dattn::require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
-  dattn::require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
-                        dattn::detail::cat(">= 1 and dividing --heads (", o.heads, ")"));
-  dattn::require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
-  dattn::require_option(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
-  dattn::require_option(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
-  dattn::require_option(o.seq_factor >= 2 || o.seq_end == o.seq_begin, "--seq-factor", o.seq_factor,
-                        ">= 2 (or --seq-end equal to --seq-begin)");
-  dattn::require_option(o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
-  dattn::require_option(o.iters >= 1, "--iters", o.iters, ">= 1");
-  dattn::require_option(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
-  dattn::require_option(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
-  dattn::require_option(o.threads >= 0, "--threads", o.threads, ">= 0");
+  require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
+  require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
+  require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
+                 cat(">= 1 and dividing --heads (", o.heads, ")"));
+  require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  require_option(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
+  require_option(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
+  require_option(o.seq_factor >= 2 || o.seq_end == o.seq_begin, "--seq-factor", o.seq_factor,
+                 ">= 2 (or --seq-end equal to --seq-begin)");
+  require_option(o.iters >= 1, "--iters", o.iters, ">= 1");
+  require_option(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
+  require_option(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
+  require_option(o.threads >= 0, "--threads", o.threads, ">= 0");
   try {
     o.dtype = dattn::parse_dtype(o.dtype_name);
   } catch (const dattn::Error&) {
-    dattn::require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+    require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
   }
+
+  // Strategy and Ulysses degree (the cp ranks are all ranks: tp is 1 here).
   try {
     o.strategy = dattn::parse_strategy(o.strategy_name);
   } catch (const dattn::Error&) {
-    dattn::require_option(false, "--strategy", o.strategy_name, "ring");
+    require_option(false, "--strategy", o.strategy_name, "ring, ulysses or hybrid");
   }
-  dattn::require_option(o.layout == "contiguous" || o.layout == "zigzag" || o.layout == "striped",
-                        "--layout", o.layout, "contiguous, zigzag or striped");
+  const int P = world_size();
+  const bool u_given = !vm["ulysses-degree"].defaulted();
+  require_option(o.ulysses >= 1, "--ulysses-degree", o.ulysses, ">= 1");
+  switch (o.strategy) {
+    case dattn::Strategy::ring:
+      require_option(!u_given || o.ulysses == 1, "--ulysses-degree", o.ulysses,
+                     "1 with --strategy ring (it is the degree of --strategy hybrid)");
+      o.ulysses = 1;
+      break;
+    case dattn::Strategy::ulysses:
+      require_option(!u_given || o.ulysses == P, "--ulysses-degree", o.ulysses,
+                     cat("the number of ranks (", P, ") with --strategy ulysses, or no -u"));
+      o.ulysses = P;
+      require_option(o.kv_heads % P == 0, "--kv-heads", o.kv_heads,
+                     cat("divisible by the number of ranks (", P, ") with --strategy ulysses"));
+      break;
+    case dattn::Strategy::hybrid:
+      require_option(P % o.ulysses == 0, "--ulysses-degree", o.ulysses,
+                     cat("a divisor of the number of ranks (", P, ")"));
+      require_option(o.kv_heads % o.ulysses == 0, "--kv-heads", o.kv_heads,
+                     cat("divisible by --ulysses-degree (", o.ulysses, ") with --strategy hybrid"));
+      break;
+  }
+
+  // Documents: --doc-lens or --doc-count, for mask document and layout varlen.
+  const bool lens_given = vm.count("doc-lens") > 0, count_given = vm.count("doc-count") > 0;
+  require_option(!(lens_given && count_given), "--doc-count", o.doc_count,
+                 "not given together with --doc-lens");
+  if (lens_given) {
+    const auto lens = parse_int_list(o.doc_lens_str);
+    require_option(
+        lens && std::all_of(lens->begin(), lens->end(), [](int64_t n) { return n >= 1; }),
+        "--doc-lens", o.doc_lens_str, "comma-separated lengths >= 1");
+    int64_t sum = 0;
+    for (int64_t n : *lens)
+      sum += n;
+    require_option(o.seq_end == o.seq_begin, "--doc-lens", o.doc_lens_str,
+                   "one sequence length (--seq-end equal to --seq-begin); or use --doc-count");
+    require_option(sum == o.seq_begin, "--doc-lens", o.doc_lens_str,
+                   cat("lengths summing to --seq-begin (", o.seq_begin, "), not ", sum));
+    o.doc_lens = *lens;
+  }
+  if (count_given) {
+    require_option(o.doc_count >= 1 && o.doc_count <= o.seq_begin, "--doc-count", o.doc_count,
+                   cat(">= 1 and <= --seq-begin (", o.seq_begin, ")"));
+  }
+
+  // Layout.
+  require_option(o.layout == "contiguous" || o.layout == "zigzag" || o.layout == "striped" ||
+                     o.layout == "varlen",
+                 "--layout", o.layout, "contiguous, zigzag, striped or varlen");
+  require_option(o.stripe_block >= 1, "--stripe-block", o.stripe_block, ">= 1");
+  require_option(vm["stripe-block"].defaulted() || o.layout == "striped", "--stripe-block",
+                 o.stripe_block, "given only with --layout striped");
+  require_option(o.layout != "varlen" || o.has_documents(), "--layout", o.layout,
+                 "--doc-lens or --doc-count with varlen (its document boundaries)");
+
+  // Mask: -m, or -c as its shorthand.
+  const bool mask_given = vm.count("mask") > 0, causal_given = vm.count("causal") > 0;
+  require_option(!causal_given || o.causal == 0 || o.causal == 1, "--causal", o.causal, "0 or 1");
+  if (!mask_given) o.mask = causal_given && o.causal == 0 ? "none" : "causal";
+  require_option(
+      o.mask == "none" || o.mask == "causal" || o.mask == "window" || o.mask == "document",
+      "--mask", o.mask, "none, causal, window or document");
+  if (o.mask == "window") {
+    require_option(vm.count("window") > 0, "--mask", o.mask, "-W/--window L[,R] with window");
+    const auto lr = parse_int_list(o.window);
+    require_option(lr && (lr->size() == 1 || lr->size() == 2) &&
+                       std::all_of(lr->begin(), lr->end(), [](int64_t n) { return n >= 0; }),
+                   "--window", o.window, "L or L,R with sizes >= 0");
+    o.window_left = (*lr)[0];
+    o.window_right = lr->size() == 2 ? (*lr)[1] : 0;
+  } else {
+    require_option(vm.count("window") == 0, "--window", o.window, "given only with --mask window");
+  }
+  if (causal_given && mask_given) {
+    // -c says whether a query sees keys after it; documents take it as their causality.
+    const bool agrees = o.mask == "none"     ? o.causal == 0
+                        : o.mask == "causal" ? o.causal == 1
+                        : o.mask == "window" ? o.causal == (o.window_right == 0 ? 1 : 0)
+                                             : true;
+    require_option(agrees, "--causal", o.causal,
+                   cat("agreeing with --mask ", o.mask,
+                       o.mask == "window" ? " (-c 1: a window with R = 0; -c 0: R > 0)" : ""));
+  }
+  o.doc_causal = !causal_given || o.causal == 1;
+  require_option(o.mask != "document" || o.has_documents(), "--mask", o.mask,
+                 "--doc-lens or --doc-count with document");
+  require_option(!o.has_documents() || o.mask == "document" || o.layout == "varlen",
+                 lens_given ? "--doc-lens" : "--doc-count",
+                 lens_given ? o.doc_lens_str : std::to_string(o.doc_count),
+                 "given only with --mask document or --layout varlen");
+  require_option(!o.compare_unmasked || o.mask != "none", "--compare-unmasked", "on",
+                 "a mask other than none");
   return o;
 }
 
@@ -254,13 +416,16 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
   if (R == 0) return stats;
 
   std::vector<int64_t> pos(size_t(R), 0);
-  int64_t max_pos = 0;
+  int64_t min_pos = S, max_pos = 0;
   for (int64_t j = 0; j < R; ++j) {
     pos[size_t(j)] = layout.global_position(rank, rows[size_t(j)]);
+    min_pos = std::min(min_pos, pos[size_t(j)]);
     max_pos = std::max(max_pos, pos[size_t(j)]);
   }
-  // Keys past the last sampled query are invisible under a causal mask: no need to visit them.
-  const int64_t key_end = spec.mask.kind == dattn::Mask::Kind::causal ? max_pos + 1 : S;
+  // Keys outside the band of every sampled query are invisible: no need to visit them.
+  const int64_t key_begin =
+      spec.mask.left >= 0 ? std::max<int64_t>(0, min_pos - spec.mask.left) : 0;
+  const int64_t key_end = spec.mask.right >= 0 ? std::min(S, max_pos + spec.mask.right + 1) : S;
   constexpr int64_t kChunk = 256;
   const float* out = res.out.ptr<float>();
   const float* lse = res.lse.ptr<float>();
@@ -276,7 +441,7 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
           qv[size_t((j * H + h) * D + d)] = input_value(row, d, dtype);
       }
     std::vector<double> kc(size_t(kChunk * G * D)), vc(size_t(kChunk * G * Dv));
-    for (int64_t k0 = 0; k0 < key_end; k0 += kChunk) {
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kChunk) {
       const int64_t kn = std::min(kChunk, key_end - k0);
 #pragma omp parallel for schedule(static)
       for (int64_t c = 0; c < kn; ++c)
@@ -355,11 +520,102 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
   return stats;
 }
 
+// ================================================================== problems
+
+// Document boundaries cu_seqlens = [0, e1, ..., S] for one sequence length: the --doc-lens, or
+// --doc-count documents whose lengths (>= 1 token each) come from a hash with a fixed seed.
+std::vector<int64_t> cu_seqlens_for(const Options& o, int64_t S) {
+  std::vector<int64_t> cu = {0};
+  if (!o.doc_lens.empty()) {
+    for (int64_t n : o.doc_lens)
+      cu.push_back(cu.back() + n);
+    DATTN_ASSERT(cu.back() == S);
+    return cu;
+  }
+  // One token each, and the other S - N spread in proportion to weights in (0, 1].
+  const int64_t N = o.doc_count;
+  std::vector<double> prefix(size_t(N) + 1, 0.0);
+  for (int64_t d = 0; d < N; ++d) {
+    const double w = double((mix64(0x5eedd0c5ull ^ uint64_t(d)) >> 11) + 1) * 0x1p-53;
+    prefix[size_t(d) + 1] = prefix[size_t(d)] + w;
+  }
+  const int64_t extra = S - N;
+  for (int64_t d = 1; d < N; ++d)
+    cu.push_back(d + int64_t(double(extra) * prefix[size_t(d)] / prefix[size_t(N)]));
+  cu.push_back(S);
+  return cu;
+}
+
+// One problem: the spec (its mask) and the layout for one sequence length.
+struct Problem {
+  dattn::AttnSpec spec;
+  Layout layout;
+};
+
+// The problem of length S on P ranks under layout `layout` ("striped" with --stripe-block) and
+// mask `mask` (a -m name), the rest from the options.
+Problem make_problem(const Options& o, int64_t S, int P, const std::string& layout,
+                     const std::string& mask, int64_t stripe_block) {
+  Problem p;
+  p.spec.heads_q = o.heads;
+  p.spec.heads_kv = o.kv_heads;
+  p.spec.head_dim = o.head_dim;
+  std::vector<int64_t> cu;
+  if (o.has_documents()) cu = cu_seqlens_for(o, S);
+  if (mask == "none") {
+    p.spec.mask = dattn::Mask::none();
+  } else if (mask == "causal") {
+    p.spec.mask = dattn::Mask::causal();
+  } else if (mask == "window") {
+    p.spec.mask = dattn::Mask::window(o.window_left, o.window_right);
+  } else {
+    p.spec.mask = dattn::Mask::document(cu, o.doc_causal);
+  }
+  p.spec.validate();
+  if (layout == "striped") {
+    p.layout = Layout::striped(S, P, stripe_block);
+  } else if (layout == "varlen") {
+    p.layout = Layout::varlen(cu, P);
+  } else {
+    p.layout = Layout::make(layout, S, P);
+  }
+  return p;
+}
+
+Problem make_problem(const Options& o, int64_t S, int P) {
+  return make_problem(o, S, P, o.layout, o.mask, o.stripe_block);
+}
+
+// The layout as the header names it: "striped(block 16)", "varlen(5 docs)".
+std::string layout_desc(const Options& o) {
+  if (o.layout == "striped") return dattn::detail::cat("striped(block ", o.stripe_block, ")");
+  if (o.layout == "varlen") {
+    return o.doc_lens.empty() ? dattn::detail::cat("varlen(", o.doc_count, " docs)")
+                              : dattn::detail::cat("varlen(", o.doc_lens.size(), " docs)");
+  }
+  return o.layout;
+}
+
+// The load balance of a problem under the model: max over cp ranks of attention_rank_flops
+// divided by its mean (1: balanced). Deterministic, so one rank computes it for all.
+double model_imbalance(const Options& o, const Problem& p) {
+  const int P = p.layout.ranks();
+  double max = 0, sum = 0;
+  for (int r = 0; r < P; ++r) {
+    const double f =
+        dattn::attention_rank_flops(o.strategy, p.layout, p.spec, o.batch, o.ulysses, r);
+    max = std::max(max, f);
+    sum += f;
+  }
+  return sum > 0 ? max / (sum / P) : 1.0;
+}
+
 // ================================================================== measurement
 
 struct Row {
   int64_t seq = 0, local_seq = 0;
   double time_ms = 0, tflops_per_rank = 0, sent_mb_per_rank = 0, model_mb_per_rank = 0;
+  double imbalance = 0;              // model max/mean per-rank FLOPs (rank 0 only)
   uint64_t byte_mismatch_ranks = 0;  // ranks whose counted bytes differ from the model
   bool checked = false;
   CheckStats check;  // summed (wrong, checked) and maxed (errors) over ranks
@@ -377,13 +633,16 @@ uint64_t allreduce_u64(dattn::Runtime& rt, uint64_t v, dattn::ReduceOp op) {
   return out;
 }
 
-// Runs one sequence length: generate the shard, warm up, time, count bytes, check.
-Row run_size(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec, int64_t S) {
+// Runs one problem: generate the shard, warm up, time, count bytes, check.
+Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p) {
   const int P = rt.cp_size(), r = rt.cp_rank();
-  const Layout layout = Layout::make(o.layout, S, P);
+  const Layout& layout = p.layout;
+  const dattn::AttnSpec& spec = p.spec;
+  const int64_t S = layout.global_seq();
   Row row;
   row.seq = S;
   row.local_seq = layout.max_local_len();
+  if (rt.rank() == 0) row.imbalance = model_imbalance(o, p);
 
   const Tensor q = make_shard(kQ, layout, r, o.batch, spec.heads_q, spec.head_dim, o.dtype);
   const Tensor k = make_shard(kK, layout, r, o.batch, spec.heads_kv, spec.head_dim, o.dtype);
@@ -392,7 +651,7 @@ Row run_size(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec, 
   dattn::Partial res;
   for (int w = 0; w < o.warmup; ++w)
     res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
-  rt.cp().reset_counters();
+  rt.reset_counters();
   double seconds = 0;
   for (int it = 0; it < o.iters; ++it) {
     rt.world().barrier();
@@ -404,10 +663,13 @@ Row run_size(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& spec, 
   row.time_ms = mean_s * 1e3;
   row.tflops_per_rank = dattn::attention_flops(o.batch, S, S, spec) / P / mean_s / 1e12;
 
-  // Bytes: point-to-point payload ("send") counted by the communicator, against the model.
-  const uint64_t sent = rt.cp().counters().bytes("send");
-  const uint64_t model = dattn::ring_send_bytes(layout, spec, o.batch, o.dtype, r);
-  const bool mismatch = o.strategy == dattn::Strategy::ring && sent != model * uint64_t(o.iters);
+  // Bytes: point-to-point and all-to-all payload counted by the communicators (cp and the hybrid
+  // groups), against the model.
+  const dattn::ByteCounters counted = rt.counters();
+  const uint64_t sent = counted.bytes("send") + counted.bytes("alltoall");
+  const uint64_t model =
+      dattn::attention_send_bytes(o.strategy, layout, spec, o.batch, o.dtype, o.ulysses, r);
+  const bool mismatch = sent != model * uint64_t(o.iters);
   row.sent_mb_per_rank = double(allreduce_u64(rt, sent, dattn::ReduceOp::max)) / o.iters / 1e6;
   row.model_mb_per_rank = double(allreduce_u64(rt, model, dattn::ReduceOp::max)) / 1e6;
   row.byte_mismatch_ranks = allreduce_u64(rt, mismatch ? 1 : 0, dattn::ReduceOp::sum);
@@ -512,6 +774,7 @@ const dattn::report::Table& table() {
                                        {"local_seq", "(tokens)", 10},
                                        {"time", "(ms)", 11},
                                        {"TFLOP/s", "(per rank)", 11},
+                                       {"imbal", "(max/mean)", 11},
                                        {"sent", "(MB/rank)", 11},
                                        {"model", "(MB/rank)", 11},
                                        {"#wrong", "", 7}});
@@ -522,9 +785,10 @@ void print_row(const Row& r) {
   using dattn::report::fixed;
   const std::string wrong =
       r.checked || r.byte_mismatch_ranks > 0 ? std::to_string(r.wrong()) : "N/A";
-  table().print_row(stdout, {std::to_string(r.seq), std::to_string(r.local_seq),
-                             fixed(r.time_ms, 3), fixed(r.tflops_per_rank, 4),
-                             fixed(r.sent_mb_per_rank, 3), fixed(r.model_mb_per_rank, 3), wrong});
+  table().print_row(
+      stdout, {std::to_string(r.seq), std::to_string(r.local_seq), fixed(r.time_ms, 3),
+               fixed(r.tflops_per_rank, 4), fixed(r.imbalance, 3), fixed(r.sent_mb_per_rank, 3),
+               fixed(r.model_mb_per_rank, 3), wrong});
   std::fflush(stdout);
 }
 
@@ -534,6 +798,7 @@ std::string row_json(const Row& r) {
       .add("local_seq", r.local_seq)
       .add("time_ms", r.time_ms)
       .add("tflops_per_rank", r.tflops_per_rank)
+      .add("imbalance", r.imbalance)
       .add("sent_mb_per_rank", r.sent_mb_per_rank)
       .add("model_mb_per_rank", r.model_mb_per_rank)
       .add("byte_mismatch_ranks", int64_t(r.byte_mismatch_ranks));
@@ -548,54 +813,122 @@ std::string row_json(const Row& r) {
   return j.str();
 }
 
+// The model's load balance of the run's mask at one length under each layout (root only).
+struct LoadBalance {
+  int64_t seq = 0;
+  std::string mask;
+  std::vector<std::pair<std::string, double>> layouts;  // name, max/mean
+};
+
+LoadBalance load_balance(const Options& o, int64_t S, int P) {
+  LoadBalance lb;
+  lb.seq = S;
+  std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
+  if (o.has_documents()) kinds.push_back("varlen");
+  for (const std::string& kind : kinds) {
+    const Problem p = make_problem(o, S, P, kind, o.mask, 1);
+    lb.mask = p.spec.mask.str();
+    lb.layouts.emplace_back(kind, model_imbalance(o, p));
+  }
+  return lb;
+}
+
+// --compare-layouts and --compare-unmasked: the largest length rerun under other settings.
+struct Comparison {
+  int64_t seq = 0;
+  std::string a_name, b_name;  // b / a is the ratio reported
+  double a_ms = 0, b_ms = 0;
+  double target = 0;
+  uint64_t wrong = 0;  // of the extra runs
+  double ratio() const { return b_ms / a_ms; }
+};
+
 // ================================================================== main
 
 int prefill_bench(int argc, char** argv) {
   const std::optional<Options> parsed = parse_options(argc, argv);
   if (!parsed) return 0;
   const Options& o = *parsed;
+  using dattn::detail::cat;
 
   dattn::RuntimeOptions ropts;
   ropts.threads = o.threads;
+  ropts.ulysses = o.strategy == dattn::Strategy::hybrid ? o.ulysses : 1;
   dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
   const int P = rt.cp_size(), T = rt.threads();
   const bool root = rt.rank() == 0;
-
-  dattn::AttnSpec spec;
-  spec.heads_q = o.heads;
-  spec.heads_kv = o.kv_heads;
-  spec.head_dim = o.head_dim;
-  spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
-  spec.validate();
+  const std::vector<int64_t> seqs = sequence_lengths(o);
+  const int64_t S_max = seqs.back();
+  const Problem first = make_problem(o, seqs.front(), P);
 
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
-  const std::string config = dattn::detail::cat(
+  const std::string config = cat(
       "ranks ", rt.size(), " threads/rank ", T, " strategy ", dattn::strategy_name(o.strategy),
-      " layout ", o.layout, " mask ", spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype),
-      " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim,
-      " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
+      " U ", o.ulysses, " layout ", layout_desc(o), " mask ", first.spec.mask.str(), " dtype ",
+      dattn::dtype_name(o.dtype), " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads,
+      " head-dim ", o.head_dim, " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
   if (root) {
     dattn::report::print_header(stdout, "dattn prefill benchmark", {config}, ranks);
+    if (o.strategy == dattn::Strategy::ulysses)
+      std::printf("# ulysses: the Ulysses degree is the number of cp ranks, U = %d\n", P);
     table().print_heading(stdout);
     std::fflush(stdout);
   }
 
   std::vector<Row> rows;
-  for (int64_t S : sequence_lengths(o)) {
-    const double gflop_rank = dattn::attention_flops(o.batch, S, S, spec) / P / 1e9;
+  for (int64_t S : seqs) {
+    const Problem p = make_problem(o, S, P);
+    const double gflop_rank = dattn::attention_flops(o.batch, S, S, p.spec) / P / 1e9;
     if (root && gflop_rank * (o.iters + o.warmup) > 200) {  // more than a few seconds
       std::fprintf(stdout, "# running seq=%lld (%.0f GFLOP per rank per iteration) ...\n",
                    static_cast<long long>(S), gflop_rank);
       std::fflush(stdout);
     }
-    rows.push_back(run_size(rt, o, spec, S));
+    rows.push_back(run_size(rt, o, p));
     if (root) print_row(rows.back());
+  }
+
+  std::optional<Comparison> layouts_cmp, unmasked_cmp;
+  if (o.compare_layouts) {
+    Comparison c;
+    c.seq = S_max;
+    c.a_name = "contiguous";
+    c.b_name = "zigzag";
+    c.target = 0.75;
+    if (root) {
+      std::printf("# compare-layouts: seq %lld under layouts contiguous and zigzag ...\n",
+                  static_cast<long long>(S_max));
+      std::fflush(stdout);
+    }
+    const Row a = run_size(rt, o, make_problem(o, S_max, P, "contiguous", o.mask, 1));
+    const Row b = run_size(rt, o, make_problem(o, S_max, P, "zigzag", o.mask, 1));
+    c.a_ms = a.time_ms;
+    c.b_ms = b.time_ms;
+    c.wrong = a.wrong() + b.wrong();
+    layouts_cmp = c;
+  }
+  if (o.compare_unmasked) {
+    Comparison c;
+    c.seq = S_max;
+    c.a_name = "none";
+    c.b_name = o.mask;
+    c.target = 0.25;
+    if (root) {
+      std::printf("# compare-unmasked: seq %lld with mask none ...\n",
+                  static_cast<long long>(S_max));
+      std::fflush(stdout);
+    }
+    const Row a = run_size(rt, o, make_problem(o, S_max, P, o.layout, "none", o.stripe_block));
+    c.a_ms = a.time_ms;
+    c.b_ms = rows.back().time_ms;  // the table's row of the largest length
+    c.wrong = a.wrong();
+    unmasked_cmp = c;
   }
 
   std::optional<Scaling> scaling;
   if (o.scaling) {
     Scaling s;
-    s.seq = rows.back().seq;
+    s.seq = S_max;
     s.threads_t1 = P * T;
     s.tp_ms = rows.back().time_ms;
     if (root) {
@@ -603,7 +936,7 @@ int prefill_bench(int argc, char** argv) {
                    static_cast<long long>(s.seq), s.threads_t1);
       std::fflush(stdout);
     }
-    time_single_rank(rt, o, spec, s);
+    time_single_rank(rt, o, make_problem(o, S_max, P).spec, s);
     scaling = s;
   }
 
@@ -617,29 +950,58 @@ int prefill_bench(int argc, char** argv) {
     max_err_out = std::max(max_err_out, r.check.max_err_out);
     max_err_lse = std::max(max_err_lse, r.check.max_err_lse);
   }
+  for (const auto* c : {&layouts_cmp, &unmasked_cmp})
+    if (*c) wrong += (*c)->wrong;
   if (root) {
+    using dattn::report::fixed;
     using dattn::report::print_footer_line;
     using dattn::report::sci;
     const Tolerance tol = tolerance_for(o.dtype);
     print_footer_line(stdout, "Out of bounds values",
                       std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
-    print_footer_line(stdout, "Avg TFLOP/s per rank", dattn::report::fixed(tflops, 4));
+    print_footer_line(stdout, "Avg TFLOP/s per rank", fixed(tflops, 4));
     print_footer_line(stdout, "Byte model mismatches",
                       std::to_string(byte_mismatch) +
-                          " (ranks x sizes whose counted bytes differ from ring_send_bytes)");
+                          " (ranks x sizes whose counted bytes differ from attention_send_bytes)");
     std::printf(
         "# Check: #wrong = elements over tolerance vs a float64 reference (with --check 1:\n"
         "#   up to 32 sampled query rows per rank against all global keys, every head, out and\n"
         "#   lse; N/A without it) + one per rank whose sent bytes differ from the byte model.\n"
         "# Check: time = max over ranks of the mean per-iteration wall time; TFLOP/s per rank =\n"
-        "#   attention_flops / P / time; sent = point-to-point payload per rank per iteration,\n"
-        "#   max over ranks (1 MB = 1e6 B); model = dattn::ring_send_bytes, max over ranks.\n");
+        "#   attention_flops (the mask's visible pairs) / P / time; imbal = max / mean over cp\n"
+        "#   ranks of dattn::attention_rank_flops (the tiles each rank computes, model);\n"
+        "#   sent = point-to-point + all-to-all payload per rank per iteration, max over ranks\n"
+        "#   (1 MB = 1e6 B); model = dattn::attention_send_bytes, max over ranks.\n");
     if (o.check) {
       std::printf(
           "# Check: tolerance out %g + %g*|ref|, lse %g + %g*|ref|; measured max |err| "
           "out %s, lse %s\n",
           tol.out_abs, tol.out_rel, tol.lse_abs, tol.lse_rel, sci(max_err_out, 2).c_str(),
           sci(max_err_lse, 2).c_str());
+    }
+    std::optional<LoadBalance> lb;
+    if (o.mask != "none") {
+      lb = load_balance(o, S_max, P);
+      std::string line =
+          cat("# load balance (max/mean per-rank FLOPs, model, seq ", lb->seq, ", ", lb->mask, ", ",
+              dattn::strategy_name(o.strategy), " U ", o.ulysses, "):");
+      for (const auto& [name, v] : lb->layouts)
+        line += cat(" ", name, name == "striped" ? "(1) " : " ", fixed(v, 2));
+      std::printf("%s\n", line.c_str());
+    }
+    if (layouts_cmp) {
+      const Comparison& c = *layouts_cmp;
+      std::printf(
+          "# layouts: contiguous %.3f ms, zigzag %.3f ms, zigzag/contiguous = %.2f (target <= "
+          "0.75 for causal on 2 ranks)\n",
+          c.a_ms, c.b_ms, c.ratio());
+    }
+    if (unmasked_cmp) {
+      const Comparison& c = *unmasked_cmp;
+      std::printf("# unmasked: seq %lld, %s %.3f ms, none %.3f ms\n", static_cast<long long>(c.seq),
+                  first.spec.mask.str().c_str(), c.b_ms, c.a_ms);
+      std::printf("# %s/none time ratio = %.2f%s\n", o.mask.c_str(), c.ratio(),
+                  o.mask == "window" ? " (target <= 0.25 for w = S/16)" : "");
     }
     if (scaling) {
       const Scaling& s = *scaling;
@@ -665,8 +1027,13 @@ int prefill_bench(int argc, char** argv) {
           .add("ranks", rt.size())
           .add("threads_per_rank", T)
           .add("strategy", dattn::strategy_name(o.strategy))
+          .add("ulysses_degree", o.ulysses)
           .add("layout", o.layout)
-          .add("mask", spec.mask.str())
+          .add("stripe_block", o.stripe_block)
+          .add("documents", o.has_documents()
+                                ? int64_t(o.doc_lens.empty() ? o.doc_count : o.doc_lens.size())
+                                : int64_t(0))
+          .add("mask", first.spec.mask.str())
           .add("dtype", dattn::dtype_name(o.dtype))
           .add("batch", o.batch)
           .add("heads", o.heads)
@@ -685,6 +1052,37 @@ int prefill_bench(int argc, char** argv) {
           .add_raw("rows", dattn::report::json_array(jrows))
           .add("wrong", int64_t(wrong))
           .add("avg_tflops_per_rank", tflops);
+      if (lb) {
+        dattn::report::JsonObject jl;
+        jl.add("seq", lb->seq).add("mask", lb->mask);
+        for (const auto& [name, v] : lb->layouts)
+          jl.add(name, v);
+        top.add_raw("load_balance", jl.str());
+      }
+      if (layouts_cmp) {
+        const Comparison& c = *layouts_cmp;
+        dattn::report::JsonObject jc;
+        jc.add("seq", c.seq)
+            .add("mask", o.mask)
+            .add("contiguous_ms", c.a_ms)
+            .add("zigzag_ms", c.b_ms)
+            .add("ratio", c.ratio())
+            .add("target", c.target)
+            .add("wrong", int64_t(c.wrong));
+        top.add_raw("compare_layouts", jc.str());
+      }
+      if (unmasked_cmp) {
+        const Comparison& c = *unmasked_cmp;
+        dattn::report::JsonObject jc;
+        jc.add("seq", c.seq)
+            .add("mask", o.mask)
+            .add("masked_ms", c.b_ms)
+            .add("none_ms", c.a_ms)
+            .add("ratio", c.ratio())
+            .add("target", c.target)
+            .add("wrong", int64_t(c.wrong));
+        top.add_raw("compare_unmasked", jc.str());
+      }
       if (scaling) {
         dattn::report::JsonObject js;
         js.add("seq", scaling->seq)

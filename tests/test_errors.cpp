@@ -19,23 +19,7 @@
 namespace dattn {
 namespace {
 
-// Runs f, which must throw dattn::Error whose what() contains every needle.
-template <typename F>
-testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    for (const auto& n : needles)
-      if (what.find(n) == std::string::npos)
-        return testing::AssertionFailure()
-               << "dattn::Error does not mention '" << n << "': what() = " << what;
-    return testing::AssertionSuccess() << what;
-  } catch (const std::exception& e) {
-    return testing::AssertionFailure() << "threw a non-dattn exception: " << e.what();
-  }
-  return testing::AssertionFailure() << "did not throw";
-}
+using test::throws_naming;
 
 // A valid problem for this rank: spec, contiguous layout over the world, and shards.
 struct Call {

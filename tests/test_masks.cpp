@@ -26,23 +26,7 @@ using test::matches_reference;
 using test::random_tensor;
 using test::tolerance_for;
 
-// Runs f, which must throw dattn::Error whose what() contains every needle.
-template <typename F>
-testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& needles) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    for (const auto& n : needles)
-      if (what.find(n) == std::string::npos)
-        return testing::AssertionFailure()
-               << "dattn::Error does not mention '" << n << "': what() = " << what;
-    return testing::AssertionSuccess() << what;
-  } catch (const std::exception& e) {
-    return testing::AssertionFailure() << "threw a non-dattn exception: " << e.what();
-  }
-  return testing::AssertionFailure() << "did not throw";
-}
+using test::throws_naming;
 
 // ---------------------------------------------------------------- the masks under test
 

@@ -13,6 +13,7 @@
 
 #include "kernels/cpu/reference.h"
 #include "src/dtype.h"
+#include "src/error.h"
 #include "src/spec.h"
 #include "src/tensor.h"
 
@@ -69,5 +70,23 @@ testing::AssertionResult matches_reference(const float* out, const float* lse, i
 
 // Whether to print measured errors (DATTN_TEST_PRINT_ERRORS=1), for setting tolerances.
 bool print_errors();
+
+// Runs f, which must throw dattn::Error whose what() contains every needle.
+template <typename F>
+testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const auto& n : needles)
+      if (what.find(n) == std::string::npos)
+        return testing::AssertionFailure()
+               << "dattn::Error does not mention '" << n << "': what() = " << what;
+    return testing::AssertionSuccess() << what;
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw a non-dattn exception: " << e.what();
+  }
+  return testing::AssertionFailure() << "did not throw";
+}
 
 }  // namespace dattn::test

@@ -75,7 +75,8 @@ class Communicator {
   // Collectives. send == recv means in place where the method allows it.
   // "allreduce": count * dtype_size.
   virtual void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) = 0;
-  // Integer allreduce for control data (flags, hashes); counted as "allreduce".
+  // Integer allreduce for control data (flags, hashes, validation); counted as "control", apart
+  // from the data a strategy moves, so that byte models need not count validation.
   virtual void allreduce_u64(const uint64_t* send, uint64_t* recv, size_t count, ReduceOp op) = 0;
   // "reduce": count * dtype_size on every rank (the root's contribution included).
   virtual void reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,

@@ -166,7 +166,7 @@ void MpiCommunicator::allreduce_u64(const uint64_t* send, uint64_t* recv, size_t
                                     ReduceOp op) {
   const void* s = send == recv ? MPI_IN_PLACE : send;
   DATTN_MPI_CHECK(MPI_Allreduce(s, recv, as_int(count, "count"), MPI_UINT64_T, mpi_op(op), comm_));
-  counters_.add("allreduce", count * sizeof(uint64_t));
+  counters_.add("control", count * sizeof(uint64_t));
 }
 
 void MpiCommunicator::reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,

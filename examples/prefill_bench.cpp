@@ -228,6 +228,11 @@ std::optional<Options> parse_options(int argc, char** argv) {
       require_option(o.kv_heads % o.ulysses == 0, "--kv-heads", o.kv_heads,
                      cat("divisible by --ulysses-degree (", o.ulysses, ") with --strategy hybrid"));
       break;
+    case dattn::Strategy::tree:
+    case dattn::Strategy::allgather:
+      require_option(false, "--strategy", o.strategy_name,
+                     "ring, ulysses or hybrid (tree and allgather decode: dattn-decode-bench)");
+      break;
   }
 
   // Documents: --doc-lens or --doc-count, for mask document and layout varlen.

@@ -20,6 +20,10 @@ const char* strategy_name(Strategy s) {
       return "ulysses";
     case Strategy::hybrid:
       return "hybrid";
+    case Strategy::tree:
+      return "tree";
+    case Strategy::allgather:
+      return "allgather";
   }
   return "?";
 }
@@ -28,7 +32,9 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "ring") return Strategy::ring;
   if (name == "ulysses") return Strategy::ulysses;
   if (name == "hybrid") return Strategy::hybrid;
-  DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses or hybrid");
+  if (name == "tree") return Strategy::tree;
+  if (name == "allgather") return Strategy::allgather;
+  DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses, hybrid, tree or allgather");
 }
 
 Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
@@ -61,11 +67,12 @@ cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, in
 }
 }  // namespace
 
-void attend_runs(const Tensor& q, const void* k, const void* v, int64_t k_rows,
-                 const AttnSpec& spec, const Layout& layout, int q_rank, int k_rank, Partial& res) {
+void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                 int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
+                 Partial& res) {
   cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
-  for (const Run& qr : layout.runs(q_rank)) {
-    for (const Run& kr : layout.runs(k_rank)) {
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
       blk.q_begin = qr.local_begin;
       blk.q_len = qr.length;
       blk.q_pos0 = qr.global_begin;
@@ -140,6 +147,11 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
                                                 : rt.ulysses_degree();
   agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
     check_tensors(q, k, v, spec);
+    DATTN_CHECK_ARG(
+        strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
+        "strategy", strategy_name(strategy),
+        "ring, ulysses or hybrid for attention (tree and allgather are decode "
+        "strategies: dattn::decode)");
     DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
                     detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
                                 strategy_name(strategy)));

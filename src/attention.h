@@ -16,7 +16,9 @@ namespace dattn {
 // ring: K/V blocks rotate around the cp ranks. ulysses: all-to-all from sequence shards to
 // head shards (needs heads_kv divisible by the cp ranks), local attention, all-to-all back.
 // hybrid: Ulysses inside groups of rt.ulysses_degree() ranks, ring across the groups (USP).
-enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2 };
+// Decoding (src/decode.h): tree (allreduce of partials), ring (K/V shards rotate) and allgather
+// (every rank gathers the whole cache).
+enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2, tree = 3, allgather = 4 };
 const char* strategy_name(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming the value
 

@@ -22,8 +22,9 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   const int P = rt.world_->size();
 
   uint64_t h = kHashSeed;
-  for (int64_t x : {int64_t(options.device.kind), int64_t(options.device.index),
-                    int64_t(options.cp), int64_t(options.tp), int64_t(options.ulysses)})
+  for (int64_t x :
+       {int64_t(options.device.kind), int64_t(options.device.index), int64_t(options.cp),
+        int64_t(options.tp), int64_t(options.ulysses), int64_t(options.node_size)})
     h = hash_mix(h, uint64_t(x));
   agree_on_validation(*rt.world_, "runtime options", h, [&] {
     DATTN_CHECK_ARG(options.device.is_cpu(), "device", options.device.str(),
@@ -34,6 +35,8 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     DATTN_CHECK_ARG(cp * options.tp == P, "cp x tp", detail::cat(cp, " x ", options.tp),
                     detail::cat("the number of ranks (", P, ")"));
     DATTN_CHECK_ARG(options.threads >= 0, "threads", options.threads, ">= 0 (0: automatic)");
+    DATTN_CHECK_ARG(options.node_size >= 0, "node_size", options.node_size,
+                    ">= 0 (0: the real nodes)");
     DATTN_CHECK_ARG(options.ulysses >= 1 && cp % options.ulysses == 0, "ulysses", options.ulysses,
                     detail::cat("a divisor of the cp degree (", cp, ")"));
   });
@@ -42,6 +45,13 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
   rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);
   rt.node_ranks_ = rt.world_->split_node()->size();
+  // Nodes: the cp ranks that share a node (or a declared fake node), and the node leaders.
+  {
+    const int c = rt.cp_->rank();
+    rt.node_ =
+        options.node_size > 0 ? rt.cp_->split(c / options.node_size, c) : rt.cp_->split_node();
+    rt.node_leaders_ = rt.cp_->split(rt.node_->rank() == 0 ? 0 : 1, c);
+  }
   // Hybrid groups: U consecutive cp ranks exchange heads; rank u of every group forms a ring.
   rt.ulysses_ = options.ulysses;
   if (rt.ulysses_ > 1) {
@@ -74,9 +84,17 @@ Communicator& Runtime::ring_group() {
   return *ring_group_;
 }
 
+Communicator& Runtime::node() {
+  return *node_;
+}
+Communicator& Runtime::node_leaders() {
+  return *node_leaders_;
+}
+
 ByteCounters Runtime::counters() const {
   ByteCounters all = cp_->counters();
-  for (const auto* c : {ulysses_group_.get(), ring_group_.get()}) {
+  for (const auto* c :
+       {ulysses_group_.get(), ring_group_.get(), node_.get(), node_leaders_.get()}) {
     if (c == nullptr) continue;
     for (const auto& [op, e] : c->counters().ops) {
       all.ops[op].calls += e.calls;
@@ -90,6 +108,8 @@ void Runtime::reset_counters() {
   cp_->reset_counters();
   if (ulysses_group_) ulysses_group_->reset_counters();
   if (ring_group_) ring_group_->reset_counters();
+  node_->reset_counters();
+  node_leaders_->reset_counters();
 }
 
 }  // namespace dattn

@@ -19,6 +19,9 @@ struct RuntimeOptions {
   int threads = 0;  // OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else cores per rank
   int ulysses = 1;  // Ulysses degree U of the hybrid strategy: cp ranks form R x U groups
                     // (U consecutive cp ranks exchange heads, R = cp / U groups form a ring)
+  int node_size = 0;  // cp ranks per node for topology-aware reductions; 0: the real nodes
+                      // (MPI_Comm_split_type); a number declares fake nodes of that many
+                      // consecutive cp ranks (to test multi-node paths on one machine)
 };
 
 class Runtime {
@@ -39,7 +42,12 @@ class Runtime {
   // and the R ranks, one per group, that form the ring. Throws when ulysses_degree() == 1.
   Communicator& ulysses_group();
   Communicator& ring_group();
-  // Bytes this rank sent per operation over cp() and the hybrid groups together.
+  // The cp ranks on this rank's node (real or declared by node_size), and the node leaders
+  // (node rank 0 of every node; on other ranks a communicator they must not use).
+  Communicator& node();
+  Communicator& node_leaders();
+  bool spans_nodes() const { return node_->size() < cp_->size(); }
+  // Bytes this rank sent per operation over cp(), the hybrid groups and the node groups.
   ByteCounters counters() const;
   void reset_counters();
   Device device() const { return device_; }
@@ -51,6 +59,7 @@ class Runtime {
   std::unique_ptr<Communicator> world_;
   std::unique_ptr<Communicator> cp_;
   std::unique_ptr<Communicator> ulysses_group_, ring_group_;
+  std::unique_ptr<Communicator> node_, node_leaders_;
   Device device_;
   int tp_ = 1;
   int ulysses_ = 1;

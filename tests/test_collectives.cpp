@@ -156,7 +156,8 @@ TEST_F(Collectives, AllreduceU64) {
   EXPECT_EQ(recv[2], ~uint64_t(0) - uint64_t(P - 1));
   comm->allreduce_u64(send.data(), send.data(), 3, ReduceOp::max);  // in place
   EXPECT_EQ(send[1], big + uint64_t(P - 1));
-  EXPECT_EQ(comm->counters().bytes("allreduce"), 4u * 3 * 8);
+  EXPECT_EQ(comm->counters().bytes("control"), 4u * 3 * 8);  // control data, not "allreduce"
+  EXPECT_EQ(comm->counters().bytes("allreduce"), 0u);
 }
 
 TEST_F(Collectives, Reduce) {
@@ -327,10 +328,10 @@ TEST_F(Collectives, SplitEvenOdd) {
   for (int r = me % 2; r < P; r += 2)
     expect += uint64_t(r);
   EXPECT_EQ(s, expect);
-  EXPECT_EQ(sub->counters().bytes("allreduce"), 8u);
+  EXPECT_EQ(sub->counters().bytes("control"), 8u);  // allreduce_u64 is control data
   // The sub-group's traffic is its own: the parent counted nothing (the split itself moves
   // no counted payload).
-  EXPECT_EQ(comm->counters().bytes("allreduce"), 0u);
+  EXPECT_EQ(comm->counters().bytes("control"), 0u);
   // Point-to-point inside the sub-group, by sub-group ranks.
   const int sp = sub->size(), sr = sub->rank();
   int out = me, in = -1;

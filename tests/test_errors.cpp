@@ -353,7 +353,7 @@ TEST(LayoutErrors, BadRanksOrSeq) {
 TEST(NameErrors, ParseDtypeAndStrategy) {
   EXPECT_TRUE(throws_naming([] { parse_dtype("fp8"); }, {"dtype", "fp8"}));
   EXPECT_TRUE(throws_naming([] { parse_dtype(""); }, {"dtype"}));
-  EXPECT_TRUE(throws_naming([] { parse_strategy("tree"); }, {"strategy", "tree"}));
+  EXPECT_TRUE(throws_naming([] { parse_strategy("trees"); }, {"strategy", "trees"}));
   EXPECT_TRUE(throws_naming([] { parse_strategy("Ring "); }, {"strategy", "Ring "}));
 }
 

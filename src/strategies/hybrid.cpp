@@ -120,7 +120,7 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
   Partial part;
   if (ring == nullptr || ring->size() == 1) {
     part = empty_partial(qg, sub);
-    attend_runs(qg, kg.data(), vg.data(), Sg, sub, groups, 0, 0, part);
+    attend_runs(qg, groups.runs(0), kg.data(), vg.data(), Sg, groups.runs(0), sub, part);
   } else {
     part = ring_attention_forward(*ring, qg, kg, vg, sub, groups);
   }

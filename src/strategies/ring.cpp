@@ -58,7 +58,8 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
     }
     // 2. Attend our queries to the block we hold, overlapped with the messages.
     if (holding && layout.any_visible(spec.mask, me, origin))
-      attend_runs(q, cur_k, cur_v, layout.local_len(origin), spec, layout, me, origin, res);
+      attend_runs(q, layout.runs(me), cur_k, cur_v, layout.local_len(origin), layout.runs(origin),
+                  spec, res);
     // 3. The received block is the next step's.
     comm.wait_all(pending);
     holding = receive;

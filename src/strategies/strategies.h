@@ -19,9 +19,11 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
                                  const Tensor& k, const Tensor& v, const AttnSpec& spec,
                                  const Layout& layout, int cp_rank);
 
-// Attends q's runs (held by q_rank) to a K/V block holding k_rank's runs, into res.
-void attend_runs(const Tensor& q, const void* k, const void* v, int64_t k_rows,
-                 const AttnSpec& spec, const Layout& layout, int q_rank, int k_rank, Partial& res);
+// Attends q's rows q_runs (rows of q and their global positions) to the rows k_runs of a K/V
+// block of k_rows rows per batch entry (bshd, q's dtype), merging into res.
+void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                 int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
+                 Partial& res);
 
 // An empty partial for q: out = 0 [B, S, H_q, D_v], lse = -inf [B, H_q, S].
 Partial empty_partial(const Tensor& q, const AttnSpec& spec);

@@ -1,0 +1,361 @@
+// The sharded KV cache and the decode step: tree (Tree Attention), ring and allgather.
+// Tree: each rank attends the new queries to its own shard, then two fixed-size reductions
+// combine the partials: a max of lse, and a sum of [w * out | w] with w = exp(lse - max) — the
+// merge of kernels/merge.h written as sums, so that it is one allreduce. With ranks on several
+// nodes each reduction runs in two levels: reduce inside the node, allreduce across the node
+// leaders, broadcast inside the node.
+#include "src/decode.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/merge.h"
+#include "src/error.h"
+#include "src/strategies/strategies.h"
+#include "src/validate.h"
+
+namespace dattn {
+
+const char* placement_name(Placement p) {
+  return p == Placement::round_robin ? "round_robin" : "last_rank";
+}
+
+// ================================================================== the cache
+
+KvCache::KvCache(int ranks, int rank, const AttnSpec& spec, int64_t batch, DType dtype,
+                 int64_t capacity, Placement placement)
+    : ranks_(ranks),
+      rank_(rank),
+      spec_(spec),
+      batch_(batch),
+      capacity_(capacity),
+      dtype_(dtype),
+      placement_(placement) {
+  spec.validate();
+  DATTN_CHECK_ARG(ranks > 0, "ranks", ranks, "> 0");
+  DATTN_CHECK_ARG(rank >= 0 && rank < ranks, "rank", rank, detail::cat("0 to ", ranks - 1));
+  DATTN_CHECK_ARG(batch > 0, "batch", batch, "> 0");
+  DATTN_CHECK_ARG(capacity >= 0, "capacity", capacity, ">= 0 tokens");
+  runs_.resize(size_t(ranks));
+  prompt_runs_.assign(size_t(ranks), 0);
+  k_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.head_dim}, dtype);
+  v_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.dim_v()}, dtype);
+}
+
+int64_t KvCache::local_len(int rank) const {
+  int64_t n = 0;
+  for (const Run& r : runs(rank))
+    n += r.length;
+  return n;
+}
+
+namespace {
+// Copies `rows` rows of every batch entry from src (src_seq rows per entry, starting at
+// src_row0) into dst (dst_seq rows per entry, at dst_row0); row = bytes per row.
+void copy_rows(const void* src, int64_t src_seq, int64_t src_row0, void* dst, int64_t dst_seq,
+               int64_t dst_row0, int64_t batch, int64_t rows, size_t row) {
+  for (int64_t b = 0; b < batch; ++b)
+    std::memcpy(static_cast<char*>(dst) + size_t(b * dst_seq + dst_row0) * row,
+                static_cast<const char*>(src) + size_t(b * src_seq + src_row0) * row,
+                size_t(rows) * row);
+}
+
+size_t row_bytes(const Tensor& t) {
+  return size_t(t.size(2) * t.size(3)) * dtype_size(t.dtype());
+}
+
+void check_kv(const Tensor& k, const Tensor& v, const KvCache& c, int64_t rows, const char* what) {
+  for (auto [t, name, dim] :
+       {std::tuple{&k, "k", c.spec().head_dim}, std::tuple{&v, "v", c.spec().dim_v()}}) {
+    const std::string n = detail::cat(what, " ", name);
+    DATTN_CHECK_ARG(t->dim() == 4, n + " rank", t->dim(), "4 dimensions [batch, seq, heads, dim]");
+    DATTN_CHECK_ARG(t->dtype() == c.dtype(), n + " dtype", dtype_name(t->dtype()),
+                    dtype_name(c.dtype()));
+    DATTN_CHECK_ARG(
+        t->size(0) == c.batch() && t->size(1) == rows && t->size(2) == c.spec().heads_kv &&
+            t->size(3) == dim,
+        n + " shape", t->shape_str(),
+        detail::cat("[", c.batch(), ", ", rows, ", ", c.spec().heads_kv, ", ", dim, "]"));
+  }
+}
+}  // namespace
+
+void KvCache::prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout& layout) {
+  DATTN_CHECK_ARG(length_ == 0, "cache length", length_, "0 (prefill an empty cache only)");
+  DATTN_CHECK_ARG(layout.ranks() == ranks_, "layout ranks", layout.ranks(), ranks_);
+  const int64_t n = layout.local_len(rank_);
+  check_kv(k_shard, v_shard, *this, n, "prefill");
+  DATTN_CHECK_ARG(n <= capacity_, "capacity", capacity_,
+                  detail::cat(">= ", n, " tokens (this rank's share of the prompt)"));
+  copy_rows(k_shard.data(), n, 0, k_.data(), capacity_, 0, batch_, n, row_bytes(k_));
+  copy_rows(v_shard.data(), n, 0, v_.data(), capacity_, 0, batch_, n, row_bytes(v_));
+  for (int r = 0; r < ranks_; ++r) {
+    runs_[size_t(r)].clear();
+    for (const Run& run : layout.runs(r))
+      if (run.length > 0) runs_[size_t(r)].push_back(run);
+    prompt_runs_[size_t(r)] = runs_[size_t(r)].size();
+  }
+  length_ = prefill_len_ = layout.global_seq();
+}
+
+void KvCache::append(const Tensor& k_new, const Tensor& v_new) {
+  const int64_t n = k_new.dim() >= 2 ? k_new.size(1) : 0;
+  check_kv(k_new, v_new, *this, n, "append");
+  // Token t of the appended ones (t = appended_ ..) goes to this rank if the placement says so.
+  auto owner = [&](int64_t t) {
+    return placement_ == Placement::round_robin ? int(t % ranks_) : ranks_ - 1;
+  };
+  // Every rank's share, known everywhere: if any rank's share would not fit, every rank
+  // throws the same error and none stores anything (caches are built alike on every rank).
+  std::vector<int64_t> count(size_t(ranks_), 0);
+  for (int64_t i = 0; i < n; ++i)
+    count[size_t(owner(appended_ + i))] += 1;
+  for (int r = 0; r < ranks_; ++r)
+    DATTN_CHECK_ARG(local_len(r) + count[size_t(r)] <= capacity_, "capacity", capacity_,
+                    detail::cat(">= ", local_len(r) + count[size_t(r)], " tokens on rank ", r, " (",
+                                local_len(r), " held + ", count[size_t(r)], " appended)"));
+  std::vector<int64_t> mine;  // indices into k_new of this rank's new tokens
+  for (int64_t i = 0; i < n; ++i)
+    if (owner(appended_ + i) == rank_) mine.push_back(i);
+  const int64_t row0 = local_len();
+  for (size_t j = 0; j < mine.size(); ++j) {
+    copy_rows(k_new.data(), n, mine[j], k_.data(), capacity_, row0 + int64_t(j), batch_, 1,
+              row_bytes(k_));
+    copy_rows(v_new.data(), n, mine[j], v_.data(), capacity_, row0 + int64_t(j), batch_, 1,
+              row_bytes(v_));
+  }
+  // Every rank's runs: one run of appended tokens per rank, after its prompt rows.
+  for (int r = 0; r < ranks_; ++r) {
+    if (count[size_t(r)] == 0) continue;
+    auto& runs = runs_[size_t(r)];
+    if (runs.size() > prompt_runs_[size_t(r)]) {  // the rank's run of appended tokens
+      runs.back().length += count[size_t(r)];
+    } else {
+      const int64_t first =
+          placement_ == Placement::round_robin
+              ? prefill_len_ + ((r - appended_) % ranks_ + ranks_) % ranks_ + appended_
+              : prefill_len_ + appended_;
+      const int64_t stride = placement_ == Placement::round_robin ? ranks_ : 1;
+      runs.push_back(Run{local_len(r), first, stride, count[size_t(r)]});
+    }
+  }
+  length_ += n;
+  appended_ += n;
+}
+
+uint64_t KvCache::hash() const {
+  uint32_t scale_bits;
+  const float scale = spec_.scale();
+  std::memcpy(&scale_bits, &scale, 4);
+  uint64_t h = kHashSeed;
+  for (uint64_t x : {uint64_t(ranks_), uint64_t(spec_.heads_q), uint64_t(spec_.heads_kv),
+                     uint64_t(spec_.head_dim), uint64_t(spec_.dim_v()), uint64_t(scale_bits),
+                     spec_.mask.hash(), uint64_t(batch_), uint64_t(dtype_), uint64_t(placement_),
+                     uint64_t(length_), uint64_t(prefill_len_)})
+    h = hash_mix(h, x);
+  return h;
+}
+
+// ================================================================== the decode step
+
+namespace {
+
+// Allreduce of fp32 values over the cp ranks: flat, or in two levels across nodes.
+void allreduce_f32(Runtime& rt, float* buf, size_t count, ReduceOp op) {
+  if (!rt.spans_nodes()) {
+    rt.cp().allreduce(buf, buf, count, DType::f32, op);
+    return;
+  }
+  Communicator& node = rt.node();
+  node.reduce(buf, buf, count, DType::f32, op, 0);
+  if (node.rank() == 0) rt.node_leaders().allreduce(buf, buf, count, DType::f32, op);
+  node.broadcast(buf, count * sizeof(float), 0);
+}
+
+// Tree: the local partial, then max of lse and sum of [w * out | w] over the ranks.
+Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs,
+                    const KvCache& cache) {
+  const AttnSpec& spec = cache.spec();
+  const int64_t B = q.size(0), Sq = q.size(1), H = spec.heads_q, Dv = spec.dim_v();
+  Partial res = empty_partial(q, spec);
+  attend_runs(q, q_runs, cache.k().data(), cache.v().data(), cache.capacity(),
+              cache.runs(cache.rank()), spec, res);
+  float* out = res.out.ptr<float>();
+  float* lse = res.lse.ptr<float>();
+
+  std::vector<float> m(lse, lse + B * H * Sq);
+  allreduce_f32(rt, m.data(), m.size(), ReduceOp::max);
+  // [B, S_q, H, Dv + 1]: the weighted output and its weight. An empty shard (lse = -inf)
+  // gives w = 0 and contributes nothing; m = -inf only when every shard is empty.
+  std::vector<float> packed(size_t(B * Sq * H * (Dv + 1)));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < Sq; ++s)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t l = (b * H + h) * Sq + s, row = (b * Sq + s) * H + h;
+        const float w = lse[l] == -INFINITY ? 0.f : std::exp(lse[l] - m[size_t(l)]);
+        float* p = packed.data() + row * (Dv + 1);
+        for (int64_t d = 0; d < Dv; ++d)
+          p[d] = w == 0.f ? 0.f : w * out[row * Dv + d];
+        p[Dv] = w;
+      }
+  allreduce_f32(rt, packed.data(), packed.size(), ReduceOp::sum);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < Sq; ++s)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t l = (b * H + h) * Sq + s, row = (b * Sq + s) * H + h;
+        const float* p = packed.data() + row * (Dv + 1);
+        const float den = p[Dv];
+        for (int64_t d = 0; d < Dv; ++d)
+          out[row * Dv + d] = den > 0.f ? p[d] / den : 0.f;
+        lse[l] = den > 0.f ? m[size_t(l)] + std::log(den) : -INFINITY;
+      }
+  return res;
+}
+
+// This rank's shard as a compact [B, len, H_kv, D] block (K and V back to back).
+std::vector<char> pack_shard(const KvCache& c) {
+  const int64_t n = c.local_len();
+  const size_t kr = row_bytes(c.k()), vr = row_bytes(c.v());
+  std::vector<char> buf(size_t(c.batch() * n) * (kr + vr));
+  copy_rows(c.k().data(), c.capacity(), 0, buf.data(), n, 0, c.batch(), n, kr);
+  copy_rows(c.v().data(), c.capacity(), 0, buf.data() + size_t(c.batch() * n) * kr, n, 0, c.batch(),
+            n, vr);
+  return buf;
+}
+
+// Attends q to a packed shard of `origin` (K then V, compact).
+void attend_packed(const Tensor& q, const std::vector<Run>& q_runs, const char* shard,
+                   const KvCache& c, int origin, Partial& res) {
+  const int64_t n = c.local_len(origin);
+  if (n == 0) return;
+  const size_t kr = row_bytes(c.k());
+  attend_runs(q, q_runs, shard, shard + size_t(c.batch() * n) * kr, n, c.runs(origin), c.spec(),
+              res);
+}
+
+// Ring (pass-KV): shards rotate around the ranks; every rank attends to every shard. Each
+// shard's partial is kept apart and the partials are merged in rank order at the end, so that
+// every rank returns the same bits whatever order its shards arrived in.
+Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
+                    const KvCache& c) {
+  const int P = comm.size(), me = comm.rank();
+  const size_t per_token = row_bytes(c.k()) + row_bytes(c.v());
+  auto bytes_of = [&](int origin) { return size_t(c.batch() * c.local_len(origin)) * per_token; };
+  std::vector<Partial> parts(static_cast<size_t>(P));
+  std::vector<char> buf[2];
+  buf[0] = pack_shard(c);
+  size_t biggest = 0;
+  for (int r = 0; r < P; ++r)
+    biggest = std::max(biggest, bytes_of(r));
+  buf[1].resize(P > 1 ? biggest : 0);
+  if (P > 1) buf[0].resize(std::max(buf[0].size(), biggest));
+  for (int step = 0; step < P; ++step) {
+    const int origin = (me - step + P) % P, incoming = (me - step - 1 + 2 * P) % P;
+    std::vector<RequestPtr> pending;
+    if (step + 1 < P) {  // every shard goes all the way round: all new queries see all of it
+      if (bytes_of(incoming) > 0)
+        pending.push_back(
+            comm.irecv(buf[(step + 1) % 2].data(), bytes_of(incoming), (me - 1 + P) % P, 201));
+      if (bytes_of(origin) > 0)
+        pending.push_back(comm.isend(buf[step % 2].data(), bytes_of(origin), (me + 1) % P, 201));
+    }
+    parts[size_t(origin)] = empty_partial(q, c.spec());
+    attend_packed(q, q_runs, buf[step % 2].data(), c, origin, parts[size_t(origin)]);
+    comm.wait_all(pending);
+  }
+  const int64_t B = q.size(0), Sq = q.size(1), H = c.spec().heads_q, Dv = c.spec().dim_v();
+  for (int r = 1; r < P; ++r)
+    merge_partials(parts[0].out.ptr<float>(), parts[0].lse.ptr<float>(),
+                   parts[size_t(r)].out.ptr<float>(), parts[size_t(r)].lse.ptr<float>(), B, Sq, H,
+                   Dv);
+  return parts[0];
+}
+
+// Allgather: every rank gathers every shard, then attends to all of them.
+Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
+                         const KvCache& c) {
+  const int P = comm.size();
+  const size_t per_token = row_bytes(c.k()) + row_bytes(c.v());
+  std::vector<size_t> counts(static_cast<size_t>(P));
+  size_t total = 0;
+  for (int r = 0; r < P; ++r)
+    total += counts[size_t(r)] = size_t(c.batch() * c.local_len(r)) * per_token;
+  const std::vector<char> mine = pack_shard(c);
+  std::vector<char> all(std::max<size_t>(total, 1));
+  comm.allgatherv(mine.data(), mine.size(), all.data(), counts);
+  Partial res = empty_partial(q, c.spec());
+  size_t off = 0;
+  for (int r = 0; r < P; ++r) {
+    attend_packed(q, q_runs, all.data() + off, c, r, res);
+    off += counts[size_t(r)];
+  }
+  return res;
+}
+
+}  // namespace
+
+Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy strategy) {
+  Communicator& comm = rt.cp();
+  const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;
+  uint64_t hash = hash_mix(cache.hash(), uint64_t(strategy));
+  hash = hash_mix(hash_mix(hash, uint64_t(q.dim() == 4 ? q.size(0) : 0)), uint64_t(Sq));
+  agree_on_validation(comm, "decode step", hash, [&] {
+    DATTN_CHECK_ARG(
+        strategy == Strategy::tree || strategy == Strategy::ring || strategy == Strategy::allgather,
+        "strategy", strategy_name(strategy), "tree, ring or allgather for decode");
+    DATTN_CHECK_ARG(cache.ranks() == comm.size() && cache.rank() == comm.rank(), "cache rank",
+                    detail::cat(cache.rank(), " of ", cache.ranks()),
+                    detail::cat(comm.rank(), " of ", comm.size(), " (this cp rank)"));
+    DATTN_CHECK_ARG(q.dim() == 4, "q rank", q.dim(), "4 dimensions [batch, S_q, heads, head_dim]");
+    DATTN_CHECK_ARG(q.device().is_cpu(), "q device", q.device().str(), "cpu");
+    DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
+                    dtype_name(cache.dtype()));
+    DATTN_CHECK_ARG(q.size(0) == cache.batch(), "q batch", q.size(0), cache.batch());
+    DATTN_CHECK_ARG(q.size(2) == cache.spec().heads_q, "q heads", q.size(2),
+                    detail::cat(cache.spec().heads_q, " (spec.heads_q)"));
+    DATTN_CHECK_ARG(q.size(3) == cache.spec().head_dim, "q head_dim", q.size(3),
+                    detail::cat(cache.spec().head_dim, " (spec.head_dim)"));
+    DATTN_CHECK_ARG(Sq >= 1 && Sq <= cache.length(), "S_q", Sq,
+                    detail::cat("1 to the context length (", cache.length(),
+                                "): append the new tokens' K/V before decoding them"));
+  });
+  // The new queries are the last S_q tokens of the context.
+  const std::vector<Run> q_runs = {Run{0, cache.length() - Sq, 1, Sq}};
+  switch (strategy) {
+    case Strategy::tree:
+      return tree_decode(rt, q, q_runs, cache);
+    case Strategy::ring:
+      return ring_decode(comm, q, q_runs, cache);
+    default:
+      return allgather_decode(comm, q, q_runs, cache);
+  }
+}
+
+uint64_t decode_send_bytes(Strategy strategy, const KvCache& c, int64_t s_q, int node_size,
+                           int rank) {
+  const int P = c.ranks();
+  const uint64_t per_token = uint64_t(c.spec().heads_kv * (c.spec().head_dim + c.spec().dim_v())) *
+                             dtype_size(c.dtype()) * uint64_t(c.batch());
+  if (strategy == Strategy::ring) {
+    uint64_t bytes = 0;
+    for (int s = 0; s + 1 < P; ++s)
+      bytes += uint64_t(c.local_len(((rank - s) % P + P) % P));
+    return bytes * per_token;
+  }
+  if (strategy == Strategy::allgather) return uint64_t(c.local_len(rank)) * per_token;
+  // Tree: two reductions of fixed size, [B, H, S_q] and [B, S_q, H, D_v + 1] floats.
+  const uint64_t rows = uint64_t(c.batch() * c.spec().heads_q * s_q);
+  const uint64_t floats = rows + rows * uint64_t(c.spec().dim_v() + 1);
+  const bool two_level = node_size > 0 && node_size < P;
+  if (!two_level) return floats * sizeof(float);  // allreduce: the payload
+  // Two levels: reduce inside the node (every rank), allreduce across leaders, broadcast from
+  // the leader. A node is node_size consecutive cp ranks; its leader is its first.
+  const bool leader = rank % node_size == 0;
+  const int nodes = (P + node_size - 1) / node_size;
+  uint64_t bytes = floats * sizeof(float);                   // reduce
+  if (leader && nodes > 1) bytes += floats * sizeof(float);  // allreduce across leaders
+  if (leader) bytes += floats * sizeof(float);               // broadcast in the node
+  return bytes;
+}
+
+}  // namespace dattn

@@ -1,0 +1,896 @@
+// dattn-decode-bench: the decode benchmark over a sequence-sharded KV cache, nccl-tests style.
+// Each rank prefills its shard of a long context, then every strategy (tree, ring, allgather)
+// decodes S_q new tokens per step: per-step latency (max over ranks; mean, p50, p99), the bytes
+// each rank sent against decode_send_bytes, the strategy's extra memory by model and peak RSS,
+// and, with --check, one step compared against a float64 attention over the whole context.
+#include <mpi.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collective/mpi_communicator.h"
+#include "examples/report.h"
+#include "launch/program.h"
+#include "src/attention.h"
+#include "src/decode.h"
+#include "src/error.h"
+#include "src/layout.h"
+#include "src/models.h"
+
+namespace {
+
+namespace po = boost::program_options;
+using dattn::DType;
+using dattn::Layout;
+using dattn::Strategy;
+using dattn::Tensor;
+
+// ================================================================== options
+
+struct Options {
+  int64_t context = 65536;
+  int64_t batch = 1;
+  int64_t heads = 8;
+  int64_t kv_heads = 2;
+  int64_t head_dim = 128;
+  int64_t new_tokens = 1;  // S_q per step
+  int steps = 20;
+  int warmup = 2;
+  std::string dtype_name = "fp32";
+  DType dtype = DType::f32;
+  std::string strategies_str = "tree,ring,allgather";
+  std::vector<Strategy> strategies;  // in the order tree, ring, allgather
+  std::string placement_name = "round_robin";
+  dattn::Placement placement = dattn::Placement::round_robin;
+  std::string layout = "contiguous";
+  int node_size = 0;
+  int check = 0;
+  int threads = 0;
+  std::string json;
+
+  // Decode steps per strategy: warm-up, timed, and the checked one.
+  int steps_total() const { return warmup + steps + (check ? 1 : 0); }
+};
+
+int world_rank() {
+  int rank = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+// "a,b,c" -> the items (empty items kept, so that they can be rejected).
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = s.find(',', begin);
+    out.push_back(s.substr(begin, comma == std::string::npos ? comma : comma - begin));
+    if (comma == std::string::npos) return out;
+    begin = comma + 1;
+  }
+}
+
+// Parses and validates the command line; nullopt when --help or --version was answered.
+// Every rank parses the same arguments, so a UsageError is thrown on every rank alike.
+std::optional<Options> parse_options(int argc, char** argv) {
+  Options o;
+  bool help = false, version = false;
+  po::options_description desc(
+      "dattn-decode-bench: decoding over a sequence-sharded KV cache (tree, ring, allgather)\n"
+      "usage: mpiexec -n P dattn-decode-bench [options]\noptions");
+  // clang-format off
+  desc.add_options()
+    ("context,x", po::value(&o.context)->default_value(o.context),
+     "context length: tokens prefilled into the cache before decoding")
+    ("batch,b", po::value(&o.batch)->default_value(o.batch), "batch size B")
+    ("heads,H", po::value(&o.heads)->default_value(o.heads), "query heads H_q")
+    ("kv-heads,G", po::value(&o.kv_heads)->default_value(o.kv_heads),
+     "key/value heads H_kv (H_q must be a multiple)")
+    ("head-dim,d", po::value(&o.head_dim)->default_value(o.head_dim), "head dimension D")
+    ("new-tokens,q", po::value(&o.new_tokens)->default_value(o.new_tokens),
+     "new tokens S_q per decode step (queries, and K/V appended to the cache)")
+    ("steps,n", po::value(&o.steps)->default_value(o.steps), "timed decode steps per strategy")
+    ("warmup,w", po::value(&o.warmup)->default_value(o.warmup),
+     "untimed warm-up decode steps per strategy")
+    ("dtype,t", po::value(&o.dtype_name)->default_value(o.dtype_name),
+     "storage dtype of the cache and the queries: fp32, bf16 or fp16")
+    ("strategies,a", po::value(&o.strategies_str)->default_value(o.strategies_str),
+     "comma-separated decode strategies: tree, ring, allgather (always run in that order)")
+    ("placement,p", po::value(&o.placement_name)->default_value(o.placement_name),
+     "rank that stores each decoded token: round_robin or last_rank")
+    ("layout,l", po::value(&o.layout)->default_value(o.layout),
+     "layout of the prefilled context: contiguous, zigzag or striped")
+    ("node-size", po::value(&o.node_size)->default_value(o.node_size),
+     "ranks per node for the tree: 0 = the real nodes; N = fake nodes of N consecutive ranks "
+     "(two-level tree on one machine)")
+    ("check,k", po::value(&o.check)->default_value(o.check),
+     "compare one extra decode step against a float64 attention over the whole context, and "
+     "the strategies against each other (0 or 1)")
+    ("threads,T", po::value(&o.threads)->default_value(o.threads),
+     "OpenMP threads per rank (0: OMP_NUM_THREADS, else cores per rank)")
+    ("json,J", po::value(&o.json)->value_name("FILE"), "also write the rows as JSON to FILE")
+    ("help,h", po::bool_switch(&help), "print this help")
+    ("version,V", po::bool_switch(&version), "print the version");
+  // clang-format on
+  po::variables_map vm;
+  dattn::parse_command_line(argc, argv, desc, vm);
+  if (help || version) {
+    if (world_rank() == 0) {
+      if (help) std::cout << desc << "\n";
+      if (version) std::cout << "dattn-decode-bench " << DATTN_VERSION << "\n";
+    }
+    return std::nullopt;
+  }
+
+  using dattn::require_option;
+  using dattn::detail::cat;
+  require_option(o.context >= 1, "--context", o.context, ">= 1");
+  require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
+  require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
+  require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
+                 cat(">= 1 and dividing --heads (", o.heads, ")"));
+  require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
+  require_option(o.new_tokens >= 1, "--new-tokens", o.new_tokens, ">= 1");
+  require_option(o.steps >= 1, "--steps", o.steps, ">= 1");
+  require_option(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
+  require_option(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
+  require_option(o.threads >= 0, "--threads", o.threads, ">= 0");
+  require_option(o.node_size >= 0, "--node-size", o.node_size, ">= 0");
+  try {
+    o.dtype = dattn::parse_dtype(o.dtype_name);
+  } catch (const dattn::Error&) {
+    require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
+  }
+  require_option(o.layout == "contiguous" || o.layout == "zigzag" || o.layout == "striped",
+                 "--layout", o.layout, "contiguous, zigzag or striped");
+  if (o.placement_name == "round_robin") {
+    o.placement = dattn::Placement::round_robin;
+  } else if (o.placement_name == "last_rank") {
+    o.placement = dattn::Placement::last_rank;
+  } else {
+    require_option(false, "--placement", o.placement_name, "round_robin or last_rank");
+  }
+
+  // Strategies: any of tree, ring, allgather, each once; run as tree, ring, allgather (peak RSS
+  // only grows, so the strategies with less extra memory go first).
+  bool want[3] = {false, false, false};
+  const Strategy order[3] = {Strategy::tree, Strategy::ring, Strategy::allgather};
+  for (const std::string& name : split_list(o.strategies_str)) {
+    std::optional<Strategy> s;
+    try {
+      s = dattn::parse_strategy(name);
+    } catch (const dattn::Error&) {
+    }
+    int index = -1;
+    for (int i = 0; i < 3; ++i)
+      if (s && *s == order[i]) index = i;
+    require_option(index >= 0, "--strategies", o.strategies_str,
+                   "a comma-separated list of tree, ring and allgather");
+    require_option(!want[index], "--strategies", o.strategies_str, "each strategy at most once");
+    want[index] = true;
+  }
+  for (int i = 0; i < 3; ++i)
+    if (want[i]) o.strategies.push_back(order[i]);
+  return o;
+}
+
+// ================================================================== inputs
+
+// Inputs come from a hash of (tensor, batch, global position, head, dim): every rank generates
+// its own shard of the context and the same new tokens, the values do not depend on the rank
+// count, and the float64 check regenerates any key row without holding the whole context.
+enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The key of one row (one token, one head) of one tensor.
+inline uint64_t row_key(TensorId id, int64_t b, int64_t pos, int64_t h) {
+  uint64_t x = mix64(id);
+  x = mix64(x ^ uint64_t(b));
+  x = mix64(x ^ uint64_t(pos));
+  return mix64(x ^ uint64_t(h));
+}
+
+// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype: the value the kernel reads.
+inline float input_value(uint64_t row, int64_t d, DType dtype) {
+  float x = float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f;
+  switch (dtype) {
+    case DType::f32:
+      return x;
+    case DType::bf16:
+      return dattn::to_float(dattn::to_bf16(x));
+    case DType::f16:
+      return dattn::to_float(dattn::to_f16(x));
+  }
+  return x;
+}
+
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+Tensor make_shard(TensorId id, const Layout& layout, int rank, int64_t batch, int64_t heads,
+                  int64_t dim, DType dtype) {
+  const int64_t len = layout.local_len(rank);
+  Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t pos = layout.global_position(rank, i);
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t row = row_key(id, b, pos, h);
+        const int64_t base = ((b * len + i) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          t.set(base + d, input_value(row, d, dtype));
+      }
+    }
+  }
+  return t;
+}
+
+// Tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`: [B, n, heads, dim], the same
+// on every rank (the new tokens' K/V and the queries of one decode step).
+Tensor make_tokens(TensorId id, int64_t pos0, int64_t n, int64_t batch, int64_t heads, int64_t dim,
+                   DType dtype) {
+  Tensor t = Tensor::empty({batch, n, heads, dim}, dtype);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t row = row_key(id, b, pos0 + i, h);
+        const int64_t base = ((b * n + i) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          t.set(base + d, input_value(row, d, dtype));
+      }
+  return t;
+}
+
+// ================================================================== float64 reference
+
+// The inputs are rounded to the storage dtype before both sides and the kernel computes in fp32
+// whatever the dtype, so one bound serves fp32, bf16 and fp16 (measured and reported).
+constexpr double kTolAbs = 1e-4, kTolRel = 1e-4;
+// Strategies must agree with each other (the same inputs, merged in different orders).
+constexpr double kSameAbs = 1e-5, kSameRel = 1e-5;
+
+// out [B, S_q, H, D_v] and lse [B, H, S_q] in float64 (lse -inf for a row with no visible key).
+struct Reference {
+  std::vector<double> out, lse;
+};
+
+// The exact attention of the S_q queries at positions length - S_q .. length - 1 against ALL
+// keys 0 .. length - 1 of the context (causal on global positions), regenerated from the hash in
+// chunks. Collective over MPI_COMM_WORLD: rank r takes the chunks r, r + P, ..., keeping an
+// online softmax state (max m, sum l, weighted sum acc) per query row and head; the states are
+// allgathered and merged in float64, so O(chunk) memory and 1/P of the work per rank.
+Reference reference_decode(const Options& o, int64_t length) {
+  int P = 1, r = 0;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
+  const int64_t B = o.batch, Sq = o.new_tokens, H = o.heads, G = o.kv_heads, D = o.head_dim;
+  const int64_t Dv = D, group = H / G;
+  const double scale = double(1.0f / std::sqrt(float(D)));  // AttnSpec::scale()
+  const int64_t pos0 = length - Sq;
+  const int64_t rows = Sq * H;   // per batch, row index j * H + h
+  const int64_t state = Dv + 2;  // m, l, acc[Dv]
+  constexpr int64_t kChunk = 256;
+  std::vector<double> mine(size_t(B * rows * state), 0.0);
+
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<double> qv(size_t(rows * D));
+    for (int64_t j = 0; j < Sq; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        const uint64_t row = row_key(kQ, b, pos0 + j, h);
+        for (int64_t d = 0; d < D; ++d)
+          qv[size_t((j * H + h) * D + d)] = input_value(row, d, o.dtype);
+      }
+    std::vector<double> m(size_t(rows), -INFINITY), l(size_t(rows), 0.0),
+        acc(size_t(rows * Dv), 0.0);
+    std::vector<double> kc(size_t(kChunk * G * D)), vc(size_t(kChunk * G * Dv));
+    const int64_t chunks = (length + kChunk - 1) / kChunk;
+    for (int64_t chunk = r; chunk < chunks; chunk += P) {
+      const int64_t k0 = chunk * kChunk, kn = std::min(kChunk, length - k0);
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < kn; ++c)
+        for (int64_t g = 0; g < G; ++g) {
+          const uint64_t krow = row_key(kK, b, k0 + c, g), vrow = row_key(kV, b, k0 + c, g);
+          for (int64_t d = 0; d < D; ++d)
+            kc[size_t((c * G + g) * D + d)] = input_value(krow, d, o.dtype);
+          for (int64_t d = 0; d < Dv; ++d)
+            vc[size_t((c * G + g) * Dv + d)] = input_value(vrow, d, o.dtype);
+        }
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t jh = 0; jh < rows; ++jh) {
+        const int64_t qpos = pos0 + jh / H, g = (jh % H) / group;
+        const double* q = &qv[size_t(jh * D)];
+        double s[kChunk];
+        double chunk_max = -INFINITY;
+        for (int64_t c = 0; c < kn; ++c) {
+          if (k0 + c > qpos) {  // causal
+            s[c] = -INFINITY;
+            continue;
+          }
+          const double* kr = &kc[size_t((c * G + g) * D)];
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d)
+            dot += q[d] * kr[d];
+          s[c] = dot * scale;
+          chunk_max = std::max(chunk_max, s[c]);
+        }
+        if (chunk_max == -INFINITY) continue;
+        double& mj = m[size_t(jh)];
+        double* a = &acc[size_t(jh * Dv)];
+        if (chunk_max > mj) {
+          const double f = std::exp(mj - chunk_max);  // 0 on the first visible chunk
+          l[size_t(jh)] *= f;
+          for (int64_t d = 0; d < Dv; ++d)
+            a[d] *= f;
+          mj = chunk_max;
+        }
+        for (int64_t c = 0; c < kn; ++c) {
+          if (s[c] == -INFINITY) continue;
+          const double w = std::exp(s[c] - mj);
+          l[size_t(jh)] += w;
+          const double* vr = &vc[size_t((c * G + g) * Dv)];
+          for (int64_t d = 0; d < Dv; ++d)
+            a[d] += w * vr[d];
+        }
+      }
+    }
+    for (int64_t jh = 0; jh < rows; ++jh) {
+      double* st = &mine[size_t((b * rows + jh) * state)];
+      st[0] = m[size_t(jh)];
+      st[1] = l[size_t(jh)];
+      std::copy_n(&acc[size_t(jh * Dv)], Dv, st + 2);
+    }
+  }
+
+  // Merge the ranks' states (MPI_COMM_WORLD directly: not counted in the runtime's bytes).
+  const size_t n = mine.size();
+  std::vector<double> all(n * size_t(P));
+  DATTN_MPI_CHECK(MPI_Allgather(mine.data(), int(n), MPI_DOUBLE, all.data(), int(n), MPI_DOUBLE,
+                                MPI_COMM_WORLD));
+  Reference ref;
+  ref.out.assign(size_t(B * Sq * H * Dv), 0.0);
+  ref.lse.assign(size_t(B * H * Sq), -INFINITY);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t jh = 0; jh < rows; ++jh) {
+      const int64_t j = jh / H, h = jh % H;
+      double m = -INFINITY;
+      for (int p = 0; p < P; ++p)
+        m = std::max(m, all[size_t(p) * n + size_t((b * rows + jh) * state)]);
+      if (m == -INFINITY) continue;  // no visible key (cannot happen: a query sees itself)
+      double l = 0;
+      std::vector<double> acc(size_t(Dv), 0.0);
+      for (int p = 0; p < P; ++p) {
+        const double* st = &all[size_t(p) * n + size_t((b * rows + jh) * state)];
+        if (st[0] == -INFINITY) continue;
+        const double f = std::exp(st[0] - m);
+        l += st[1] * f;
+        for (int64_t d = 0; d < Dv; ++d)
+          acc[size_t(d)] += st[2 + d] * f;
+      }
+      ref.lse[size_t((b * H + h) * Sq + j)] = m + std::log(l);
+      for (int64_t d = 0; d < Dv; ++d)
+        ref.out[size_t(((b * Sq + j) * H + h) * Dv + d)] = acc[size_t(d)] / l;
+    }
+  return ref;
+}
+
+struct CheckStats {
+  uint64_t checked = 0;  // elements compared (out and lse)
+  uint64_t wrong = 0;    // elements over tolerance
+  double max_err_out = 0, max_err_lse = 0;
+};
+
+// |got - ref| <= abs + rel * |ref|, with -inf lse (and its zero out) matched exactly.
+void compare(double got, double ref, double abs, double rel, double& max_err, CheckStats& s) {
+  s.checked += 1;
+  if (std::isinf(ref) || std::isinf(got)) {
+    if (got != ref) s.wrong += 1;
+    return;
+  }
+  const double err = std::abs(got - ref);
+  if (std::isfinite(err)) max_err = std::max(max_err, err);
+  if (!(err <= abs + rel * std::abs(ref))) s.wrong += 1;
+}
+
+// Every element of this rank's decode result against the float64 reference.
+CheckStats check_against_reference(const dattn::Partial& res, const Reference& ref) {
+  CheckStats s;
+  const float* out = res.out.ptr<float>();
+  const float* lse = res.lse.ptr<float>();
+  for (size_t i = 0; i < ref.out.size(); ++i)
+    compare(out[i], ref.out[i], kTolAbs, kTolRel, s.max_err_out, s);
+  for (size_t i = 0; i < ref.lse.size(); ++i)
+    compare(lse[i], ref.lse[i], kTolAbs, kTolRel, s.max_err_lse, s);
+  return s;
+}
+
+// One strategy's result against another's (the same step, the same inputs).
+CheckStats check_same(const dattn::Partial& a, const dattn::Partial& b) {
+  CheckStats s;
+  const int64_t no = a.out.numel(), nl = a.lse.numel();
+  if (no != b.out.numel() || nl != b.lse.numel()) {
+    s.checked = s.wrong = uint64_t(std::max(no, b.out.numel()) + std::max(nl, b.lse.numel()));
+    return s;
+  }
+  const float *ao = a.out.ptr<float>(), *bo = b.out.ptr<float>();
+  const float *al = a.lse.ptr<float>(), *bl = b.lse.ptr<float>();
+  for (int64_t i = 0; i < no; ++i)
+    compare(ao[i], bo[i], kSameAbs, kSameRel, s.max_err_out, s);
+  for (int64_t i = 0; i < nl; ++i)
+    compare(al[i], bl[i], kSameAbs, kSameRel, s.max_err_lse, s);
+  return s;
+}
+
+// ================================================================== measurement
+
+double allreduce_max(double v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+  return v;
+}
+
+uint64_t allreduce_u64(uint64_t v, MPI_Op op) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, op, MPI_COMM_WORLD));
+  return v;
+}
+
+// Peak resident set of this process so far (Linux: ru_maxrss in KiB), in MiB.
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;
+}
+
+// Bytes the strategy moves, as the communicators count them: every operation but the
+// validation's "control" allreduces.
+uint64_t data_bytes(const dattn::ByteCounters& c) {
+  uint64_t sum = 0;
+  for (const auto& [op, e] : c.ops)
+    if (op != "control") sum += e.bytes;
+  return sum;
+}
+
+// The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
+// buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
+// the largest shard's K and V (none on one rank); allgather the whole context's K and V.
+double extra_bytes_model(Strategy s, const dattn::KvCache& cache, int64_t s_q) {
+  const dattn::AttnSpec& spec = cache.spec();
+  const double B = double(cache.batch()), H = double(spec.heads_q), G = double(spec.heads_kv);
+  const double kv_token =
+      G * double(spec.head_dim + spec.dim_v()) * double(dtype_size(cache.dtype()));
+  switch (s) {
+    case Strategy::tree:
+      return B * double(s_q) * H * double(spec.dim_v() + 1) * 4.0 * 2.0;
+    case Strategy::ring: {
+      if (cache.ranks() == 1) return 0;  // nothing to receive
+      int64_t largest = 0;
+      for (int r = 0; r < cache.ranks(); ++r)
+        largest = std::max(largest, cache.local_len(r));
+      return 2.0 * B * double(largest) * kv_token;
+    }
+    default:
+      return B * double(cache.length()) * kv_token;
+  }
+}
+
+struct Row {
+  Strategy strategy = Strategy::tree;
+  int64_t context = 0;                         // the prefilled context
+  int64_t final_length = 0;                    // tokens in the cache after the last step
+  double mean_ms = 0, p50_ms = 0, p99_ms = 0;  // per-step latency, max over ranks
+  double sent_kb = 0, model_kb = 0;  // per rank per timed step, max over ranks (1 KB = 1e3 B)
+  double extra_mib = 0, rss_mib = 0;
+  uint64_t byte_mismatches = 0;  // (rank, step) pairs whose counted bytes differ from the model
+  bool checked = false;
+  CheckStats check;  // against float64, summed over ranks (each returns the whole result)
+  bool compared = false;
+  CheckStats same;                // against the first strategy run, summed over ranks
+  dattn::Partial checked_result;  // this rank's result of the checked step
+  uint64_t wrong() const {
+    return byte_mismatches + (checked ? check.wrong : 0) + (compared ? same.wrong : 0);
+  }
+};
+
+// Nearest-rank percentile of sorted values.
+double percentile(const std::vector<double>& sorted, double p) {
+  const size_t n = sorted.size();
+  size_t k = size_t(std::ceil(p / 100.0 * double(n)));
+  k = std::clamp<size_t>(k, 1, n);
+  return sorted[k - 1];
+}
+
+// The model's node size for decode_send_bytes: --node-size, or the real nodes' size when the
+// cp ranks span several (0: one node, the flat tree).
+int model_node_size(dattn::Runtime& rt, const Options& o) {
+  if (o.node_size > 0) return o.node_size;
+  return rt.spans_nodes() ? rt.node().size() : 0;
+}
+
+// One strategy: a fresh cache, prefilled with this rank's shard of the context, then warm-up,
+// timed and (with --check) checked decode steps.
+Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const Layout& layout,
+                 const dattn::AttnSpec& spec, const Reference* ref) {
+  const int P = rt.cp_size(), r = rt.cp_rank();
+  const bool root = rt.rank() == 0;
+  const int64_t Sq = o.new_tokens, B = o.batch;
+  const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  const int node_size = model_node_size(rt, o);
+  const char* name = dattn::strategy_name(strategy);
+  Row row;
+  row.strategy = strategy;
+  row.context = o.context;
+
+  const int64_t capacity = layout.max_local_len() + int64_t(o.steps_total()) * Sq;
+  dattn::KvCache cache(P, r, spec, B, o.dtype, capacity, o.placement);
+  {
+    const double shard_mib = double(B) * double(layout.max_local_len()) * double(G) *
+                             double(D + Dv) * double(dtype_size(o.dtype)) / (1024.0 * 1024.0);
+    if (root) {
+      std::printf(
+          "# %s: generating and prefilling the context, %lld tokens (K/V %.1f MiB per "
+          "rank) ...\n",
+          name, static_cast<long long>(o.context), shard_mib);
+      std::fflush(stdout);
+    }
+    const Tensor k = make_shard(kK, layout, r, B, G, D, o.dtype);
+    const Tensor v = make_shard(kV, layout, r, B, G, Dv, o.dtype);
+    cache.prefill(k, v, layout);
+  }
+  if (root) {
+    std::printf("# %s: %d warm-up + %d timed%s decode steps of %lld token(s) ...\n", name, o.warmup,
+                o.steps, o.check ? " + 1 checked" : "", static_cast<long long>(Sq));
+    std::fflush(stdout);
+  }
+
+  std::vector<double> times;
+  uint64_t sent_sum = 0, model_sum = 0, mismatches = 0;
+  dattn::Partial res;
+  for (int step = 0; step < o.steps_total(); ++step) {
+    const bool timed = step >= o.warmup && step < o.warmup + o.steps;
+    const int64_t pos0 = cache.length();
+    {
+      const Tensor k_new = make_tokens(kK, pos0, Sq, B, G, D, o.dtype);
+      const Tensor v_new = make_tokens(kV, pos0, Sq, B, G, Dv, o.dtype);
+      cache.append(k_new, v_new);
+    }
+    const Tensor q = make_tokens(kQ, pos0, Sq, B, H, D, o.dtype);
+    rt.reset_counters();
+    rt.world().barrier();
+    const double t0 = MPI_Wtime();
+    res = dattn::decode(rt, q, cache, strategy);
+    const double t = MPI_Wtime() - t0;
+    const uint64_t sent = data_bytes(rt.counters());
+    const uint64_t model = dattn::decode_send_bytes(strategy, cache, Sq, node_size, r);
+    if (sent != model) mismatches += 1;
+    if (timed) {
+      times.push_back(t);
+      sent_sum += sent;
+      model_sum += model;
+    }
+  }
+  row.final_length = cache.length();
+
+  // Latency of a step: the slowest rank's (element-wise max over ranks of every step's time).
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, times.data(), int(times.size()), MPI_DOUBLE, MPI_MAX,
+                                MPI_COMM_WORLD));
+  double total = 0;
+  for (double t : times)
+    total += t;
+  std::sort(times.begin(), times.end());
+  row.mean_ms = total / double(times.size()) * 1e3;
+  row.p50_ms = percentile(times, 50) * 1e3;
+  row.p99_ms = percentile(times, 99) * 1e3;
+  row.sent_kb = double(allreduce_u64(sent_sum, MPI_MAX)) / o.steps / 1e3;
+  row.model_kb = double(allreduce_u64(model_sum, MPI_MAX)) / o.steps / 1e3;
+  row.byte_mismatches = allreduce_u64(mismatches, MPI_SUM);
+  row.extra_mib = extra_bytes_model(strategy, cache, Sq) / (1024.0 * 1024.0);
+  row.rss_mib = allreduce_max(peak_rss_mib());
+
+  if (ref) {
+    const CheckStats c = check_against_reference(res, *ref);
+    row.checked = true;
+    row.check.checked = allreduce_u64(c.checked, MPI_SUM);
+    row.check.wrong = allreduce_u64(c.wrong, MPI_SUM);
+    row.check.max_err_out = allreduce_max(c.max_err_out);
+    row.check.max_err_lse = allreduce_max(c.max_err_lse);
+    row.checked_result = res;
+  }
+  return row;
+}
+
+// ================================================================== report
+
+const dattn::report::Table& table() {
+  static const dattn::report::Table t({{"strategy", "", 10},
+                                       {"context", "(tokens)", 9},
+                                       {"mean", "(ms)", 10},
+                                       {"p50", "(ms)", 10},
+                                       {"p99", "(ms)", 10},
+                                       {"sent", "(KB/rank/step)", 14},
+                                       {"model", "(KB)", 11},
+                                       {"extra", "(MiB)", 10},
+                                       {"rss", "(MiB)", 9},
+                                       {"#wrong", "", 7}});
+  return t;
+}
+
+void print_row(const Row& r) {
+  using dattn::report::fixed;
+  table().print_row(
+      stdout, {dattn::strategy_name(r.strategy), std::to_string(r.context), fixed(r.mean_ms, 3),
+               fixed(r.p50_ms, 3), fixed(r.p99_ms, 3), fixed(r.sent_kb, 3), fixed(r.model_kb, 3),
+               fixed(r.extra_mib, 3), fixed(r.rss_mib, 1), std::to_string(r.wrong())});
+  std::fflush(stdout);
+}
+
+std::string row_json(const Row& r) {
+  dattn::report::JsonObject j;
+  j.add("strategy", dattn::strategy_name(r.strategy))
+      .add("context", r.context)
+      .add("final_length", r.final_length)
+      .add("mean_ms", r.mean_ms)
+      .add("p50_ms", r.p50_ms)
+      .add("p99_ms", r.p99_ms)
+      .add("sent_kb_per_rank_per_step", r.sent_kb)
+      .add("model_kb_per_rank_per_step", r.model_kb)
+      .add("extra_mib_model", r.extra_mib)
+      .add("rss_mib", r.rss_mib)
+      .add("byte_mismatches", int64_t(r.byte_mismatches))
+      .add("wrong", int64_t(r.wrong()));
+  if (r.checked) {
+    j.add("checked_elements", int64_t(r.check.checked))
+        .add("wrong_vs_float64", int64_t(r.check.wrong))
+        .add("max_err_out", r.check.max_err_out)
+        .add("max_err_lse", r.check.max_err_lse);
+  }
+  if (r.compared) {
+    j.add("wrong_vs_first_strategy", int64_t(r.same.wrong))
+        .add("max_diff_out", r.same.max_err_out)
+        .add("max_diff_lse", r.same.max_err_lse);
+  }
+  return j.str();
+}
+
+// tree against another strategy: how many times faster (mean latency, and p50) and fewer bytes.
+struct Ratio {
+  std::string other;
+  double mean = 0, p50 = 0, bytes = 0;
+};
+
+std::optional<Ratio> ratio_vs(const std::vector<Row>& rows, Strategy other) {
+  const Row *tree = nullptr, *o = nullptr;
+  for (const Row& r : rows) {
+    if (r.strategy == Strategy::tree) tree = &r;
+    if (r.strategy == other) o = &r;
+  }
+  if (!tree || !o) return std::nullopt;
+  Ratio q;
+  q.other = dattn::strategy_name(other);
+  q.mean = o->mean_ms / tree->mean_ms;
+  q.p50 = o->p50_ms / tree->p50_ms;
+  q.bytes = o->sent_kb / tree->sent_kb;
+  return q;
+}
+
+// ================================================================== main
+
+int decode_bench(int argc, char** argv) {
+  const std::optional<Options> parsed = parse_options(argc, argv);
+  if (!parsed) return 0;
+  const Options& o = *parsed;
+  using dattn::detail::cat;
+  using dattn::report::fixed;
+
+  dattn::RuntimeOptions ropts;
+  ropts.threads = o.threads;
+  ropts.node_size = o.node_size;
+  dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
+  const int P = rt.cp_size(), T = rt.threads();
+  const bool root = rt.rank() == 0;
+
+  dattn::AttnSpec spec;
+  spec.heads_q = o.heads;
+  spec.heads_kv = o.kv_heads;
+  spec.head_dim = o.head_dim;
+  spec.mask = dattn::Mask::causal();
+  spec.validate();
+  const Layout layout = Layout::make(o.layout, o.context, P);
+
+  const int model_nodes = model_node_size(rt, o);
+  const std::string tree_form = rt.spans_nodes()
+                                    ? cat("two-level (nodes of ", rt.node().size(), " ranks",
+                                          o.node_size > 0 ? ", declared by --node-size" : "", ")")
+                                    : std::string("flat (one node)");
+  std::string strategies;
+  for (Strategy s : o.strategies)
+    strategies += cat(strategies.empty() ? "" : ",", dattn::strategy_name(s));
+  const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
+  const std::vector<std::string> config = {
+      cat("ranks ", rt.size(), " threads/rank ", T, " strategies ", strategies, " context ",
+          o.context, " layout ", o.layout, " placement ", dattn::placement_name(o.placement),
+          " mask causal dtype ", dattn::dtype_name(o.dtype)),
+      cat("batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim,
+          " new-tokens ", o.new_tokens, " steps ", o.steps, " warmup ", o.warmup, " check ",
+          o.check, " node-size ", o.node_size, " tree ", tree_form)};
+  if (root) {
+    dattn::report::print_header(stdout, "dattn decode benchmark", config, ranks);
+    std::fflush(stdout);
+  }
+
+  // The float64 reference of the checked step (the last one, the same for every strategy).
+  std::optional<Reference> ref;
+  if (o.check) {
+    const int64_t length = o.context + int64_t(o.steps_total()) * o.new_tokens;
+    if (root) {
+      std::printf("# check: float64 reference of the last step over all %lld keys ...\n",
+                  static_cast<long long>(length));
+      std::fflush(stdout);
+    }
+    ref = reference_decode(o, length);
+  }
+
+  std::vector<Row> rows;
+  bool heading_printed = false;
+  for (Strategy s : o.strategies) {
+    rows.push_back(run_strategy(rt, o, s, layout, spec, ref ? &*ref : nullptr));
+    Row& row = rows.back();
+    if (o.check && rows.size() > 1) {
+      const CheckStats c = check_same(row.checked_result, rows.front().checked_result);
+      row.compared = true;
+      row.same.checked = allreduce_u64(c.checked, MPI_SUM);
+      row.same.wrong = allreduce_u64(c.wrong, MPI_SUM);
+      row.same.max_err_out = allreduce_max(c.max_err_out);
+      row.same.max_err_lse = allreduce_max(c.max_err_lse);
+    }
+    if (root) {
+      if (!heading_printed) table().print_heading(stdout);
+      heading_printed = true;
+      print_row(row);
+    }
+  }
+
+  // ---------------------------------------------------------------- footer
+  uint64_t wrong = 0, byte_mismatches = 0, ref_wrong = 0, same_wrong = 0;
+  double max_err_out = 0, max_err_lse = 0, max_diff_out = 0, max_diff_lse = 0;
+  for (const Row& r : rows) {
+    wrong += r.wrong();
+    byte_mismatches += r.byte_mismatches;
+    ref_wrong += r.check.wrong;
+    same_wrong += r.same.wrong;
+    max_err_out = std::max(max_err_out, r.check.max_err_out);
+    max_err_lse = std::max(max_err_lse, r.check.max_err_lse);
+    max_diff_out = std::max(max_diff_out, r.same.max_err_out);
+    max_diff_lse = std::max(max_diff_lse, r.same.max_err_lse);
+  }
+  const std::optional<Ratio> vs_ring = ratio_vs(rows, Strategy::ring);
+  const std::optional<Ratio> vs_allgather = ratio_vs(rows, Strategy::allgather);
+  const bool target_config = P == 4 && o.context == 262144 && o.dtype == DType::f32 &&
+                             o.heads == 8 && o.kv_heads == 2 && o.head_dim == 128 &&
+                             o.new_tokens == 1 && o.batch == 1;
+  const bool target_met = vs_ring && vs_ring->mean >= 8 && vs_ring->bytes >= 100;
+
+  if (root) {
+    using dattn::report::print_footer_line;
+    using dattn::report::sci;
+    print_footer_line(stdout, "Out of bounds values",
+                      std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
+    print_footer_line(stdout, "Byte model mismatches",
+                      cat(byte_mismatches,
+                          " ((rank, step) pairs whose counted bytes differ from "
+                          "decode_send_bytes)"));
+    std::printf(
+        "# Check: latency = per step, the max over ranks of the wall time of dattn::decode\n"
+        "#   (after a barrier; the new tokens' K/V and q are made outside it), over %d timed\n"
+        "#   steps after %d warm-up; p50/p99 are nearest-rank. sent = bytes the communicators\n"
+        "#   counted (every op but \"control\", the validation) per rank per timed step, max over\n"
+        "#   ranks (1 KB = 1e3 B); model = dattn::decode_send_bytes likewise; every step (warm-up\n"
+        "#   and checked ones too) of every rank must equal it, else it counts in #wrong.\n"
+        "# Check: extra = the strategy's memory beyond the cache by model: tree the partial and\n"
+        "#   packed buffers (B*S_q*H*(D_v+1)*4*2 B), ring two receive buffers of the largest\n"
+        "#   shard's K and V, allgather the whole context's K and V. rss = peak ru_maxrss, max\n"
+        "#   over ranks, after the strategy's steps (it only grows: strategies run as tree, ring,\n"
+        "#   allgather; it includes the prefill's generated shards).\n",
+        o.steps, o.warmup);
+    if (o.check) {
+      std::printf(
+          "# Check: with -k 1 one more step is compared on every rank, all rows and heads of\n"
+          "#   out and lse, against float64 attention over all %lld keys (causal), tolerance\n"
+          "#   %g + %g*|ref| (inputs rounded to %s on both sides); and each strategy against the\n"
+          "#   first one run, within %g + %g*|other|. Both count in #wrong.\n",
+          static_cast<long long>(rows.empty() ? 0 : rows.front().final_length), kTolAbs, kTolRel,
+          dattn::dtype_name(o.dtype), kSameAbs, kSameRel);
+      print_footer_line(stdout, "vs float64",
+                        cat(ref_wrong, " wrong; max |err| out ", sci(max_err_out, 2), ", lse ",
+                            sci(max_err_lse, 2)));
+      if (rows.size() > 1) {
+        print_footer_line(stdout, "strategies agree",
+                          cat(same_wrong, " wrong; max |diff| out ", sci(max_diff_out, 2), ", lse ",
+                              sci(max_diff_lse, 2)));
+      }
+    }
+    for (const auto* v : {&vs_ring, &vs_allgather}) {
+      if (!*v) continue;
+      const Ratio& q = **v;
+      std::printf("# tree vs %s: latency %sx faster (mean; p50 %sx), bytes %sx fewer\n",
+                  q.other.c_str(), fixed(q.mean, 1).c_str(), fixed(q.p50, 1).c_str(),
+                  fixed(q.bytes, 1).c_str());
+    }
+    std::printf(
+        "# target: 4 ranks, context 262144, fp32, H=8, H_kv=2, D=128, S_q=1: tree >= 8x faster "
+        "than ring, >= 100x fewer bytes%s\n",
+        !target_config ? " (this run is not the target configuration)"
+        : !vs_ring     ? " (this run has not both tree and ring)"
+        : target_met   ? ": met"
+                       : ": NOT met");
+    std::fflush(stdout);
+
+    if (!o.json.empty()) {
+      dattn::report::JsonObject cfg;
+      cfg.add("program", "dattn-decode-bench")
+          .add("version", DATTN_VERSION)
+          .add("ranks", rt.size())
+          .add("threads_per_rank", T)
+          .add("strategies", strategies)
+          .add("context", o.context)
+          .add("layout", o.layout)
+          .add("placement", dattn::placement_name(o.placement))
+          .add("mask", "causal")
+          .add("dtype", dattn::dtype_name(o.dtype))
+          .add("batch", o.batch)
+          .add("heads", o.heads)
+          .add("kv_heads", o.kv_heads)
+          .add("head_dim", o.head_dim)
+          .add("new_tokens", o.new_tokens)
+          .add("steps", o.steps)
+          .add("warmup", o.warmup)
+          .add("check", o.check == 1)
+          .add("node_size", o.node_size)
+          .add("model_node_size", model_nodes)
+          .add("two_level_tree", rt.spans_nodes())
+          .add("with_cuda", bool(DATTN_WITH_CUDA))
+          .add("with_nccl", bool(DATTN_WITH_NCCL));
+      std::vector<std::string> jrows;
+      for (const Row& r : rows)
+        jrows.push_back(row_json(r));
+      dattn::report::JsonObject top;
+      top.add_raw("config", cfg.str())
+          .add_raw("rows", dattn::report::json_array(jrows))
+          .add("wrong", int64_t(wrong))
+          .add("byte_mismatches", int64_t(byte_mismatches));
+      for (const auto* v : {&vs_ring, &vs_allgather}) {
+        if (!*v) continue;
+        dattn::report::JsonObject jr;
+        jr.add("latency_mean", (*v)->mean).add("latency_p50", (*v)->p50).add("bytes", (*v)->bytes);
+        top.add_raw("tree_vs_" + (*v)->other, jr.str());
+      }
+      dattn::report::JsonObject jt;
+      jt.add("ranks", 4)
+          .add("context", int64_t(262144))
+          .add("latency_ratio_vs_ring", 8.0)
+          .add("bytes_ratio_vs_ring", 100.0)
+          .add("this_run_is_target", target_config);
+      if (target_config && vs_ring) jt.add("met", target_met);
+      top.add_raw("target", jt.str());
+      dattn::report::write_text_file(o.json, top.str());
+    }
+  }
+  return wrong > 0 ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return dattn::run_program(argc, argv, decode_bench);
+}

@@ -14,11 +14,11 @@ namespace dattn {
 
 struct RuntimeOptions {
   Device device = Device::cpu();
-  int cp = 0;       // context-parallel degree; 0 means all ranks / tp
-  int tp = 1;       // tensor-parallel degree (ranks form a cp x tp grid, tp fastest)
-  int threads = 0;  // OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else cores per rank
-  int ulysses = 1;  // Ulysses degree U of the hybrid strategy: cp ranks form R x U groups
-                    // (U consecutive cp ranks exchange heads, R = cp / U groups form a ring)
+  int cp = 0;         // context-parallel degree; 0 means all ranks / tp
+  int tp = 1;         // tensor-parallel degree (ranks form a cp x tp grid, tp fastest)
+  int threads = 0;    // OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else cores per rank
+  int ulysses = 1;    // Ulysses degree U of the hybrid strategy: cp ranks form R x U groups
+                      // (U consecutive cp ranks exchange heads, R = cp / U groups form a ring)
   int node_size = 0;  // cp ranks per node for topology-aware reductions; 0: the real nodes
                       // (MPI_Comm_split_type); a number declares fake nodes of that many
                       // consecutive cp ranks (to test multi-node paths on one machine)

@@ -86,6 +86,9 @@ class Communicator {
   // Variable sizes: recv_bytes[r] from rank r, placed back to back; "allgather": own bytes.
   virtual void allgatherv(const void* send, size_t send_bytes, void* recv,
                           const std::vector<size_t>& recv_bytes) = 0;
+  // recv (significant on the root only) holds size() blocks of bytes_per_rank, block r from rank
+  // r; "gather": bytes_per_rank on every rank but the root (whose own block is not sent).
+  virtual void gather(const void* send, void* recv, size_t bytes_per_rank, int root) = 0;
   // "broadcast": bytes on the root, 0 elsewhere.
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   // send holds size() blocks of bytes_per_rank, block r for rank r;

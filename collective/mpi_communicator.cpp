@@ -201,6 +201,12 @@ void MpiCommunicator::allgatherv(const void* send, size_t send_bytes, void* recv
   counters_.add("allgather", send_bytes);
 }
 
+void MpiCommunicator::gather(const void* send, void* recv, size_t bytes_per_rank, int root) {
+  const int n = as_int(bytes_per_rank, "bytes_per_rank");
+  DATTN_MPI_CHECK(MPI_Gather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_));
+  counters_.add("gather", rank_ == root ? 0 : bytes_per_rank);
+}
+
 void MpiCommunicator::broadcast(void* buf, size_t bytes, int root) {
   DATTN_MPI_CHECK(MPI_Bcast(buf, as_int(bytes, "bytes"), MPI_BYTE, root, comm_));
   counters_.add("broadcast", rank_ == root ? bytes : 0);

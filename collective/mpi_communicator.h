@@ -48,6 +48,7 @@ class MpiCommunicator final : public Communicator {
   void allgather(const void* send, void* recv, size_t bytes_per_rank) override;
   void allgatherv(const void* send, size_t send_bytes, void* recv,
                   const std::vector<size_t>& recv_bytes) override;
+  void gather(const void* send, void* recv, size_t bytes_per_rank, int root) override;
   void broadcast(void* buf, size_t bytes, int root) override;
   void alltoall(const void* send, void* recv, size_t bytes_per_rank) override;
   void alltoallv(const void* send, const std::vector<size_t>& send_bytes, void* recv,

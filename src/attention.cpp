@@ -88,10 +88,8 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
   }
 }
 
-namespace {
-
 // Shape and dtype checks of q, k, v against the spec (local: each rank checks its own).
-void check_tensors(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec) {
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec) {
   spec.validate();
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     DATTN_CHECK_ARG(t->dim() == 4, detail::cat(name, " rank"), t->dim(),
@@ -122,8 +120,8 @@ void check_tensors(const Tensor& q, const Tensor& k, const Tensor& v, const Attn
                   detail::cat(k.size(1), " (the seq of k)"));
 }
 
-uint64_t config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy, DType dtype,
-                     int64_t batch) {
+uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
+                               DType dtype, int64_t batch) {
   uint32_t scale_bits;
   float scale = spec.scale();
   std::memcpy(&scale_bits, &scale, 4);
@@ -135,18 +133,16 @@ uint64_t config_hash(const AttnSpec& spec, const Layout& layout, Strategy strate
   return h;
 }
 
-}  // namespace
-
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy) {
   Communicator& comm = rt.cp();
-  const uint64_t hash = config_hash(spec, layout, strategy, q.dtype(), q.size(0));
+  const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   // The Ulysses degree: ring 1, ulysses every cp rank, hybrid the runtime's groups.
   const int U = strategy == Strategy::ring      ? 1
                 : strategy == Strategy::ulysses ? comm.size()
                                                 : rt.ulysses_degree();
   agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
-    check_tensors(q, k, v, spec);
+    check_qkv(q, k, v, spec);
     DATTN_CHECK_ARG(
         strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
         "strategy", strategy_name(strategy),
@@ -177,7 +173,7 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
 
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0, int64_t k_pos0) {
-  check_tensors(q, k, v, spec);
+  check_qkv(q, k, v, spec);
   Partial res = empty_partial(q, spec);
   cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), k.size(1), spec);
   blk.q_pos0 = q_pos0;

@@ -29,7 +29,9 @@ class KvCache {
   // context is then layout.global_seq() tokens at the layout's positions. Once, before appends.
   void prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout& layout);
   // Appends n tokens at global positions length() .. length() + n - 1. k_new [B, n, H_kv, D] and
-  // v_new are the same on every rank; each rank keeps the tokens the placement gives it. Throws
+  // v_new are the same on every rank (only the ranks that keep a token read it: with last_rank,
+  // the others may pass any tensor of that shape); each rank keeps the tokens the placement gives
+  // it. Throws
   // dattn::Error naming the capacity when any rank's share does not fit, on every rank and
   // before any rank stores a token (every rank knows every rank's share).
   void append(const Tensor& k_new, const Tensor& v_new);

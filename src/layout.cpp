@@ -81,6 +81,19 @@ Layout Layout::varlen(std::vector<int64_t> cu_seqlens, int ranks) {
   return l;
 }
 
+Layout Layout::blocks(int64_t global_seq, int ranks, int64_t block) {
+  DATTN_CHECK_ARG(block >= 1, "block", block, ">= 1 token");
+  Layout l(Kind::blocks, global_seq, ranks);
+  l.block_ = block;
+  const int64_t nb = (global_seq + block - 1) / block;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t first = r * nb / ranks * block;
+    const int64_t end = std::min(global_seq, (int64_t(r) + 1) * nb / ranks * block);
+    l.runs_[size_t(r)].push_back(Run{0, first, 1, std::max<int64_t>(0, end - first)});
+  }
+  return l;
+}
+
 Layout Layout::make(const std::string& kind, int64_t global_seq, int ranks) {
   if (kind == "contiguous") return contiguous(global_seq, ranks);
   if (kind == "zigzag") return zigzag(global_seq, ranks);
@@ -98,6 +111,8 @@ const char* Layout::kind_name(Kind kind) {
       return "striped";
     case Kind::varlen:
       return "varlen";
+    case Kind::blocks:
+      return "blocks";
   }
   return "?";
 }
@@ -248,9 +263,10 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
 }
 
 std::string Layout::str() const {
-  std::string extra = kind_ == Kind::striped ? detail::cat(", block=", block_, "")
-                      : documents_           ? detail::cat(", docs=", documents_->size() - 1)
-                                             : std::string();
+  std::string extra = kind_ == Kind::striped || kind_ == Kind::blocks
+                          ? detail::cat(", block=", block_, "")
+                      : documents_ ? detail::cat(", docs=", documents_->size() - 1)
+                                   : std::string();
   return detail::cat(kind_name(kind_), "(S=", global_seq_, ", P=", ranks_, extra, ")");
 }
 

@@ -32,7 +32,7 @@ struct Run {
 
 class Layout {
  public:
-  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2, varlen = 3 };
+  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2, varlen = 3, blocks = 4 };
 
   Layout() = default;  // an empty layout (no tokens, one rank); assign a real one before use
 
@@ -51,6 +51,10 @@ class Layout {
   // cut into 2P chunks and rank r holds chunks r and 2P-1-r of every document (zigzag per
   // document), so that causal work inside documents is balanced. Use with Mask::document.
   static Layout varlen(std::vector<int64_t> cu_seqlens, int ranks);
+  // Whole blocks of `block` tokens (the last may be partial), placed contiguously: rank r holds
+  // blocks [r * nb / P, (r + 1) * nb / P) of the nb blocks. Star attention's layout.
+  static Layout blocks(int64_t global_seq, int ranks, int64_t block);
+  int64_t block() const { return block_; }  // striped and blocks
   // The layout of a kind by name: "contiguous", "zigzag" or "striped" (blocks of one token);
   // throws dattn::Error.
   static Layout make(const std::string& kind, int64_t global_seq, int ranks);

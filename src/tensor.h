@@ -40,7 +40,7 @@ class Tensor {
   static Tensor wrap(void* data, std::initializer_list<int64_t> shape, DType dtype,
                      Device device = Device::cpu());
 
-  bool defined() const { return data_ != nullptr || numel() == 0; }
+  bool defined() const { return ndim_ > 0; }  // false for a default-constructed Tensor
   void* data() const { return data_; }
   template <typename T>
   T* ptr() const {

@@ -25,6 +25,12 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
                  int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                  Partial& res);
 
+// Shape, dtype and spec checks of this rank's q, k, v (throws dattn::Error naming the field).
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec);
+// The hash of what must match on every rank of an attention call.
+uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
+                               DType dtype, int64_t batch);
+
 // An empty partial for q: out = 0 [B, S, H_q, D_v], lse = -inf [B, H_q, S].
 Partial empty_partial(const Tensor& q, const AttnSpec& spec);
 

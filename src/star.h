@@ -1,0 +1,45 @@
+// Star attention (two-phase long-context inference). Phase 1 encodes the context with no
+// exchange of context: each rank attends its own tokens causally, prefixed by the anchor (the
+// context's first tokens, sent once from rank 0), and keeps its K/V as its cache. Phase 2 lets the
+// query and generated tokens, which live on the query rank (the last), attend to every cache:
+// the query is broadcast, every rank computes its partial, and the partials are merged at the
+// query rank. Phase 1 is an approximation (no rank sees the middle of the context before it);
+// phase 2 is exact over the cached K/V.
+#pragma once
+
+#include <cstdint>
+
+#include "src/attention.h"
+#include "src/decode.h"
+#include "src/layout.h"
+#include "src/runtime.h"
+
+namespace dattn {
+
+// Phase 1. q, k, v are this rank's shard under `layout`, which must be Layout::blocks(S, P, b).
+// anchor: how many of the context's first tokens prefix every rank's tokens (0 .. b; -1: b).
+// Rank 0 holds them and attends without a prefix. Returns this rank's out and lse. Collective
+// over rt.cp(): one broadcast of the anchor's K/V from rank 0 (see star.cpp for why not
+// recomputation). Bad block or anchor sizes throw dattn::Error on every rank.
+Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const AttnSpec& spec, const Layout& layout, int64_t anchor = -1);
+
+// Phase 2, one step. cache: prefilled from the phase-1 shards (the same layout) with
+// Placement::last_rank, and the query tokens' K/V appended (only the query rank reads them), so
+// that generated tokens see everything. q [B, S_q, H_q, D] is read on the query rank only, at
+// global positions length() - S_q ..; the others pass any tensor of that shape. Returns the
+// merged result on the query rank; the other ranks return an empty Partial. Collective.
+Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache);
+
+// Bytes `rank` sends: phase 1 (the anchor broadcast, root only) and one phase-2 step (the query
+// broadcast from the query rank, then every other rank's partial gathered there).
+uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                 DType dtype, int64_t anchor, int rank);
+uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank);
+
+// Phase-1 FLOPs of `rank` (exact visible pairs: its own tokens causally, plus every token
+// against the anchor): the work ring attention would spread over the whole context.
+double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                          int64_t anchor, int rank);
+
+}  // namespace dattn

@@ -1,0 +1,170 @@
+// Star attention: phase 1 (local causal attention behind the anchor) and phase 2 (the query
+// rank's tokens attend to every rank's cache; partials merged at the query rank).
+//
+// The anchor's K/V are broadcast from the rank holding the context's first tokens rather than
+// recomputed: dattn takes K and V, not the hidden states and projections that recomputation
+// would need, and the broadcast is a * H_kv * (D + D_v) values per sequence, once.
+// Phase 2 gathers the partials at the query rank and merges them there: each other rank sends
+// its partial exactly once (B * S_q * H * (D_v + 1) floats), the least any scheme can send; a
+// reduce would first need a max of lse on every rank (one more round) to rescale before summing.
+#include <cstring>
+
+#include "kernels/merge.h"
+#include "src/error.h"
+#include "src/star.h"
+#include "src/strategies/strategies.h"
+#include "src/validate.h"
+
+namespace dattn {
+
+namespace {
+
+int64_t anchor_len(const Layout& layout, int64_t anchor) {
+  const int64_t a = anchor < 0 ? layout.block() : anchor;
+  return std::min(a, layout.global_seq());  // a context shorter than the anchor is all anchor
+}
+
+// The cp rank that holds position 0 (the first rank with a block).
+int anchor_root(const Layout& layout) {
+  for (int r = 0; r < layout.ranks(); ++r)
+    if (layout.local_len(r) > 0) return r;
+  return 0;
+}
+
+}  // namespace
+
+Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const AttnSpec& spec, const Layout& layout, int64_t anchor) {
+  Communicator& comm = rt.cp();
+  const int P = comm.size(), me = comm.rank();
+  uint64_t hash = attention_config_hash(spec, layout, Strategy::ring, q.dtype(), q.size(0));
+  agree_on_validation(comm, "star prefill", hash_mix(hash, uint64_t(anchor)), [&] {
+    check_qkv(q, k, v, spec);
+    DATTN_CHECK_ARG(layout.kind() == Layout::Kind::blocks, "layout", layout.str(),
+                    "Layout::blocks(S, P, b) (star attention places whole blocks)");
+    DATTN_CHECK_ARG(layout.ranks() == P, "layout ranks", layout.ranks(), P);
+    DATTN_CHECK_ARG(anchor >= -1 && anchor <= layout.block(), "anchor", anchor,
+                    detail::cat("0 to the block size (", layout.block(), "), or -1 for the block"));
+    DATTN_CHECK_ARG(!spec.mask.documents, "mask", spec.mask.str(),
+                    "a band mask (documents are not supported by star attention)");
+    DATTN_CHECK_ARG(q.size(1) == layout.local_len(me) && k.size(1) == q.size(1), "q seq", q.size(1),
+                    detail::cat(layout.local_len(me), " (this rank's blocks)"));
+  });
+  const int64_t B = q.size(0), a = anchor_len(layout, anchor), n = layout.local_len(me);
+  const int root = anchor_root(layout);
+  Partial res = empty_partial(q, spec);
+
+  // The anchor: the first a tokens' K/V, from the rank that holds them to every other.
+  const size_t kr = size_t(spec.heads_kv * spec.head_dim) * dtype_size(q.dtype());
+  const size_t vr = size_t(spec.heads_kv * spec.dim_v()) * dtype_size(q.dtype());
+  std::vector<char> anchor_kv(size_t(B * a) * (kr + vr));
+  if (P > 1 && a > 0) {
+    if (me == root) {
+      for (int64_t b = 0; b < B; ++b) {
+        std::memcpy(anchor_kv.data() + size_t(b * a) * kr,
+                    static_cast<const char*>(k.data()) + size_t(b * n) * kr, size_t(a) * kr);
+        std::memcpy(anchor_kv.data() + size_t(B * a) * kr + size_t(b * a) * vr,
+                    static_cast<const char*>(v.data()) + size_t(b * n) * vr, size_t(a) * vr);
+      }
+    }
+    comm.broadcast(anchor_kv.data(), anchor_kv.size(), root);
+  }
+  // [anchor | own tokens], causal on global positions: the anchor (positions 0 .. a-1) first,
+  // then the rank's own tokens; the rank holding the anchor attends to its own tokens only.
+  if (n > 0 && me != root && a > 0)
+    attend_runs(q, layout.runs(me), anchor_kv.data(), anchor_kv.data() + size_t(B * a) * kr, a,
+                {Run{0, 0, 1, a}}, spec, res);
+  if (n > 0) attend_runs(q, layout.runs(me), k.data(), v.data(), n, layout.runs(me), spec, res);
+  return res;
+}
+
+Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
+  Communicator& comm = rt.cp();
+  const int P = comm.size(), me = comm.rank(), root = P - 1;
+  const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;
+  const AttnSpec& spec = cache.spec();
+  uint64_t hash = hash_mix(cache.hash(), uint64_t(Sq));
+  agree_on_validation(comm, "star decode step", hash, [&] {
+    DATTN_CHECK_ARG(cache.placement() == Placement::last_rank, "placement",
+                    placement_name(cache.placement()),
+                    "last_rank (the query rank keeps the query and generated tokens)");
+    DATTN_CHECK_ARG(cache.ranks() == P && cache.rank() == me, "cache rank",
+                    detail::cat(cache.rank(), " of ", cache.ranks()),
+                    detail::cat(me, " of ", P, " (this cp rank)"));
+    DATTN_CHECK_ARG(q.dim() == 4, "q rank", q.dim(), "4 dimensions [batch, S_q, heads, head_dim]");
+    DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
+                    dtype_name(cache.dtype()));
+    DATTN_CHECK_ARG(
+        q.size(0) == cache.batch() && q.size(2) == spec.heads_q && q.size(3) == spec.head_dim,
+        "q shape", q.shape_str(),
+        detail::cat("[", cache.batch(), ", S_q, ", spec.heads_q, ", ", spec.head_dim, "]"));
+    DATTN_CHECK_ARG(Sq >= 1 && Sq <= cache.length(), "S_q", Sq,
+                    detail::cat("1 to the context length (", cache.length(), ")"));
+  });
+  const int64_t B = q.size(0), H = spec.heads_q, Dv = spec.dim_v();
+
+  // 1. The query, from the query rank to every rank.
+  Tensor qb = q.to(q.dtype());  // a copy every rank may overwrite
+  if (P > 1) comm.broadcast(qb.data(), qb.nbytes(), root);
+  // 2. Every rank's partial against its cache.
+  Partial part = empty_partial(qb, spec);
+  attend_runs(qb, {Run{0, cache.length() - Sq, 1, Sq}}, cache.k().data(), cache.v().data(),
+              cache.capacity(), cache.runs(me), spec, part);
+  if (P == 1) return part;
+  // 3. Gathered at the query rank as [out | lse] and merged there in rank order.
+  const size_t out_n = size_t(part.out.numel()), lse_n = size_t(part.lse.numel());
+  std::vector<float> mine(out_n + lse_n);
+  std::memcpy(mine.data(), part.out.data(), out_n * sizeof(float));
+  std::memcpy(mine.data() + out_n, part.lse.data(), lse_n * sizeof(float));
+  std::vector<float> all(me == root ? mine.size() * size_t(P) : 1);
+  comm.gather(mine.data(), all.data(), mine.size() * sizeof(float), root);
+  if (me != root) return Partial{};
+  Partial res = empty_partial(qb, spec);
+  for (int r = 0; r < P; ++r) {
+    const float* p = all.data() + size_t(r) * mine.size();
+    merge_partials(res.out.ptr<float>(), res.lse.ptr<float>(), p, p + out_n, B, Sq, H, Dv);
+  }
+  return res;
+}
+
+uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                 DType dtype, int64_t anchor, int rank) {
+  const int64_t a = anchor_len(layout, anchor);
+  if (layout.ranks() == 1 || a == 0 || rank != anchor_root(layout)) return 0;
+  return uint64_t(batch * a * spec.heads_kv * (spec.head_dim + spec.dim_v())) * dtype_size(dtype);
+}
+
+uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank) {
+  const int P = cache.ranks();
+  if (P == 1) return 0;
+  const AttnSpec& spec = cache.spec();
+  const uint64_t rows = uint64_t(cache.batch() * s_q * spec.heads_q);
+  if (rank == P - 1)  // the query broadcast
+    return rows * uint64_t(spec.head_dim) * dtype_size(cache.dtype());
+  return rows * uint64_t(spec.dim_v() + 1) * sizeof(float);  // this rank's partial, gathered
+}
+
+double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
+                          int rank) {
+  const int64_t a = anchor_len(layout, anchor);
+  const Mask& m = spec.mask;
+  double pairs = 0;
+  for (const Run& run : layout.runs(rank)) {
+    for (int64_t i = 0; i < run.length; ++i) {
+      const int64_t p = run.position(i);
+      // Own tokens [first, p + right] within the band (the run is contiguous).
+      const int64_t lo = m.left < 0 ? run.global_begin : std::max(run.global_begin, p - m.left);
+      const int64_t hi =
+          m.right < 0 ? run.last_position() : std::min(run.last_position(), p + m.right);
+      pairs += double(std::max<int64_t>(0, hi - lo + 1));
+      if (rank != anchor_root(layout) && a > 0) {  // the anchor, positions 0 .. a-1
+        const int64_t alo = m.left < 0 ? 0 : std::max<int64_t>(0, p - m.left);
+        const int64_t ahi = m.right < 0 ? a - 1 : std::min(a - 1, p + m.right);
+        pairs += double(std::max<int64_t>(0, ahi - alo + 1));
+      }
+    }
+  }
+  return pairs * 2.0 * double(spec.head_dim + spec.dim_v()) * double(spec.heads_q * batch);
+}
+
+}  // namespace dattn

@@ -210,6 +210,38 @@ TEST_F(Collectives, AllgathervDifferentSizes) {
   EXPECT_EQ(entry(*comm, "allgather")->calls, 1u);
 }
 
+// Gather at the first and the last rank: the root receives block r from rank r (its own block
+// included); "gather" counts bytes_per_rank on every other rank and nothing on the root.
+TEST_F(Collectives, GatherAtFirstAndLastRank) {
+  const int P = size(), me = rank();
+  const size_t n = 7;  // int32 per rank
+  uint64_t expect_bytes = 0;
+  for (int root : {0, P - 1}) {
+    std::vector<int32_t> send(n), recv(n * size_t(P), -1);
+    for (size_t i = 0; i < n; ++i)
+      send[i] = me * 1000 + root * 100 + int(i);
+    comm->gather(send.data(), recv.data(), n * 4, root);
+    if (me == root) {
+      for (int r = 0; r < P; ++r)
+        for (size_t i = 0; i < n; ++i)
+          ASSERT_EQ(recv[size_t(r) * n + i], r * 1000 + root * 100 + int(i))
+              << "root " << root << ", from rank " << r;
+    } else {
+      for (int32_t x : recv)
+        ASSERT_EQ(x, -1) << "a non-root's receive buffer was written (root " << root << ")";
+    }
+    expect_bytes += me == root ? 0 : n * 4;
+    EXPECT_EQ(comm->counters().bytes("gather"), expect_bytes) << "after root " << root;
+  }
+  EXPECT_EQ(entry(*comm, "gather")->calls, 2u);
+  // Nothing else counted.
+  EXPECT_EQ(comm->counters().total_bytes(), expect_bytes);
+  // Zero bytes per rank: legal, counted as nothing.
+  int32_t none_sent = 0, none_received = 0;
+  comm->gather(&none_sent, &none_received, 0, 0);
+  EXPECT_EQ(comm->counters().bytes("gather"), expect_bytes);
+}
+
 TEST_F(Collectives, Broadcast) {
   const int P = size(), me = rank();
   for (int root = 0; root < P; ++root) {

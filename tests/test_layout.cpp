@@ -332,6 +332,78 @@ TEST(StripedLayout, BlocksRoundRobin) {
   EXPECT_THROW(Layout::striped(64, 4, 0), Error);
 }
 
+// Whole blocks of b tokens placed contiguously: rank r holds blocks [r nb / P, (r + 1) nb / P) of
+// the nb = ceil(S / b) blocks (the last may be partial), so every rank's first position is a
+// multiple of b, ranks hold consecutive ranges in rank order, every token sits on one rank, and
+// with more ranks than blocks some ranks hold nothing.
+TEST(BlocksLayout, WholeBlocksContiguous) {
+  for (int P : {1, 2, 3, 4, 5, 8}) {
+    for (int64_t block : {1, 3, 16}) {
+      for (int64_t S :
+           {int64_t(0), int64_t(1), int64_t(block - 1), int64_t(block), int64_t(block * P),
+            int64_t(block * P + 1), int64_t(block * 3 - 1), int64_t(97), int64_t(301)}) {
+        SCOPED_TRACE(testing::Message() << "S=" << S << " P=" << P << " block=" << block);
+        const Layout l = Layout::blocks(S, P, block);
+        EXPECT_EQ(l.kind(), Layout::Kind::blocks);
+        EXPECT_EQ(std::string(Layout::kind_name(l.kind())), "blocks");
+        EXPECT_EQ(l.global_seq(), S);
+        EXPECT_EQ(l.ranks(), P);
+        EXPECT_EQ(l.block(), block);
+        const std::vector<int> owner = owners(l);  // every token exactly once
+        const int64_t nb = (S + block - 1) / block;
+        int64_t next = 0;  // where the next rank's range must begin
+        int holders = 0;
+        for (int r = 0; r < P; ++r) {
+          const int64_t first_block = r * nb / P, end_block = (r + 1) * nb / P;
+          const int64_t expect_len =
+              std::min(S, end_block * block) - std::min(S, first_block * block);
+          ASSERT_EQ(l.local_len(r), expect_len) << "rank " << r;
+          if (expect_len == 0) continue;
+          holders += 1;
+          const int64_t first = l.global_position(r, 0);
+          EXPECT_EQ(first % block, 0) << "rank " << r << " starts inside a block at " << first;
+          EXPECT_EQ(first, first_block * block) << "rank " << r;
+          EXPECT_EQ(first, next) << "rank " << r << " does not continue rank " << r - 1;
+          for (int64_t i = 0; i < l.local_len(r); ++i)
+            ASSERT_EQ(l.global_position(r, i), first + i) << "rank " << r << " row " << i;
+          // Whole blocks: the range ends at a block boundary or at the end of the context.
+          const int64_t end = first + l.local_len(r);
+          EXPECT_TRUE(end % block == 0 || end == S) << "rank " << r << " ends at " << end;
+          next = end;
+        }
+        EXPECT_EQ(next, S);
+        EXPECT_EQ(holders, int(std::min<int64_t>(nb, P)));
+        if (nb < P) {  // more ranks than blocks: some hold nothing, nothing breaks
+          int empty = 0;
+          for (int r = 0; r < P; ++r)
+            empty += l.local_len(r) == 0 ? 1 : 0;
+          EXPECT_EQ(empty, P - int(nb));
+        }
+        // Dispatch takes each rank's rows.
+        if (S > 0) {
+          Tensor g = Tensor::empty({1, S, 1, 1}, DType::f32);
+          for (int64_t i = 0; i < S; ++i)
+            g.set(i, float(i));
+          for (int r = 0; r < P; ++r) {
+            const Tensor shard = l.dispatch(g, r);
+            ASSERT_EQ(shard.size(1), l.local_len(r));
+            for (int64_t i = 0; i < shard.size(1); ++i)
+              ASSERT_EQ(shard.get(i), float(l.global_position(r, i)));
+          }
+        }
+      }
+    }
+  }
+  // The block size is part of the layout's identity.
+  EXPECT_NE(Layout::blocks(64, 4, 8).hash(), Layout::blocks(64, 4, 16).hash());
+  EXPECT_NE(Layout::blocks(64, 4, 16).hash(), Layout::contiguous(64, 4).hash());
+  EXPECT_NE(Layout::blocks(64, 4, 16).hash(), Layout::striped(64, 4, 16).hash());
+  EXPECT_NE(Layout::blocks(64, 4, 8).str(), Layout::blocks(64, 4, 16).str());
+  for (int64_t bad : {int64_t(0), int64_t(-1)})
+    EXPECT_TRUE(
+        test::throws_naming([&] { Layout::blocks(64, 4, bad); }, {"block", std::to_string(bad)}));
+}
+
 // The zigzag chunking rule for one document: 2P chunks, the first len % 2P one token longer.
 int64_t chunk_begin(int64_t begin, int64_t len, int P, int c) {
   const int64_t base = len / (2 * P), extra = len % (2 * P);

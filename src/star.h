@@ -1,6 +1,7 @@
 // Star attention (two-phase long-context inference). Phase 1 encodes the context with no
-// exchange of context: each rank attends its own tokens causally, prefixed by the anchor (the
-// context's first tokens, sent once from rank 0), and keeps its K/V as its cache. Phase 2 lets the
+// exchange of context: the context is cut into blocks of b tokens, and every block attends to
+// itself causally, prefixed by the anchor (the context's first a tokens, sent once from the rank
+// that holds them); each rank keeps its blocks' K/V as its cache. Phase 2 lets the
 // query and generated tokens, which live on the query rank (the last), attend to every cache:
 // the query is broadcast, every rank computes its partial, and the partials are merged at the
 // query rank. Phase 1 is an approximation (no rank sees the middle of the context before it);
@@ -17,8 +18,10 @@
 namespace dattn {
 
 // Phase 1. q, k, v are this rank's shard under `layout`, which must be Layout::blocks(S, P, b).
-// anchor: how many of the context's first tokens prefix every rank's tokens (0 .. b; -1: b).
-// Rank 0 holds them and attends without a prefix. Returns this rank's out and lse. Collective
+// anchor: how many of the context's first tokens prefix every block (0 .. b; -1: b); block 0
+// holds them and attends to itself alone. Every block is independent of the others, also on
+// the same rank (so with b >= S it is exact causal attention). Returns this rank's out and
+// lse. Collective
 // over rt.cp(): one broadcast of the anchor's K/V from rank 0 (see star.cpp for why not
 // recomputation). Bad block or anchor sizes throw dattn::Error on every rank.
 Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -37,9 +40,9 @@ uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int
                                  DType dtype, int64_t anchor, int rank);
 uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank);
 
-// Phase-1 FLOPs of `rank` (exact visible pairs: its own tokens causally, plus every token
-// against the anchor): the work ring attention would spread over the whole context.
-double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch,
-                          int64_t anchor, int rank);
+// Phase-1 FLOPs of `rank` (exact visible pairs: each of its blocks causally, plus every token
+// of a block but the first against the anchor).
+double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
+                          int rank);
 
 }  // namespace dattn

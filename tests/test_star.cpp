@@ -96,14 +96,36 @@ int64_t anchor_len(const Layout& layout, int64_t anchor) {
   return std::min(a, layout.global_seq());
 }
 
-// The keys a rank's queries attend in phase 1: the anchor, then its own tokens; the rank that
-// holds position 0 holds the anchor itself and attends its own tokens only.
-std::vector<int64_t> phase1_keys(const Layout& layout, int rank, int64_t anchor) {
+// Phase 1's float64 reference for one rank: every block of b tokens on its own, its queries
+// against [anchor | the block] on global positions (block 0: against itself only), assembled
+// into the rank's out [B, n, H_q, D_v] and lse [B, H_q, n].
+cpu::ReferenceResult phase1_reference(const Layout& layout, int rank, int64_t anchor,
+                                      const Tensor& q, const Tensor& k_global,
+                                      const Tensor& v_global, const AttnSpec& spec) {
   const std::vector<int64_t> own = rank_positions(layout, rank);
-  if (own.empty() || own.front() == 0) return own;
-  std::vector<int64_t> keys = test::positions(0, anchor_len(layout, anchor));
-  keys.insert(keys.end(), own.begin(), own.end());
-  return keys;
+  const int64_t n = int64_t(own.size()), B = q.size(0), H = spec.heads_q, Dv = spec.dim_v();
+  const int64_t a = anchor_len(layout, anchor), b = layout.block();
+  cpu::ReferenceResult all;
+  all.out.assign(size_t(B * n * H * Dv), 0.0);
+  all.lse.assign(size_t(B * H * n), -INFINITY);
+  for (int64_t off = 0; off < n; off += b) {
+    const int64_t len = std::min(b, n - off);
+    const std::vector<int64_t> qpos(own.begin() + off, own.begin() + off + len);
+    std::vector<int64_t> keys;
+    if (qpos.front() > 0) keys = test::positions(0, a);
+    keys.insert(keys.end(), qpos.begin(), qpos.end());
+    const auto r = test::naive_reference(q.seq_slice(off, len), take_rows(k_global, keys),
+                                         take_rows(v_global, keys), spec, qpos, keys);
+    for (int64_t bb = 0; bb < B; ++bb)
+      for (int64_t i = 0; i < len; ++i)
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t d = 0; d < Dv; ++d)
+            all.out[size_t(((bb * n + off + i) * H + h) * Dv + d)] =
+                r.out[size_t(((bb * len + i) * H + h) * Dv + d)];
+          all.lse[size_t((bb * H + h) * n + off + i)] = r.lse[size_t((bb * H + h) * len + i)];
+        }
+  }
+  return all;
 }
 
 // Bytes this rank sent, over every operation but validation's "control".
@@ -196,22 +218,13 @@ TEST(StarPrefill, MatchesBlockwiseReference) {
         // Own tokens are contiguous: the reference over them takes one start position.
         ASSERT_EQ(own.back(), first + n - 1);
 
-        // The general rule: the queries against [anchor | own tokens] on global positions.
-        const std::vector<int64_t> keys = phase1_keys(layout, me, anchor);
-        const auto ref = test::naive_reference(q, take_rows(ctx.k, keys), take_rows(ctx.v, keys),
-                                               spec, own, keys);
+        // The rule: every block against [anchor | the block] on global positions.
+        const auto ref = phase1_reference(layout, me, anchor, q, ctx.k, ctx.v, spec);
         EXPECT_TRUE(test::matches_reference(res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, n,
                                             pb.Hq, pb.Dv, ref, tol));
 
-        // No anchor, or the rank holding the anchor: causal attention of its own tokens only.
-        if (anchor == 0 || first == 0) {
-          const auto local = cpu::attention_reference(q, k, v, spec, first, first);
-          EXPECT_TRUE(test::matches_reference(res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, n,
-                                              pb.Hq, pb.Dv, local, tol))
-              << "against blockwise-local attention";
-        }
-        // One rank: exact causal attention of the whole context.
-        if (P == 1) {
+        // One block holding everything: exact causal attention of the whole context.
+        if (P == 1 && c.block >= c.S) {
           const auto exact = cpu::attention_reference(ctx.q, ctx.k, ctx.v, spec, 0, 0);
           EXPECT_TRUE(test::matches_reference(res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, n,
                                               pb.Hq, pb.Dv, exact, tol))
@@ -568,15 +581,18 @@ TEST_F(StarErrors, DecodeNeedsLastRankPlacement) {
 
 // ---------------------------------------------------------------- 5. FLOP model
 
-// Phase-1 FLOPs of a rank written out: 2 (D + D_v) B H_q per visible (query, key) pair, its own
-// tokens causally (n (n + 1) / 2 pairs) plus n a anchor pairs unless it holds the anchor.
+// Phase-1 FLOPs of a rank written out: 2 (D + D_v) B H_q per visible (query, key) pair; each of
+// its blocks (m tokens) causally, m (m + 1) / 2 pairs, plus m a anchor pairs unless it is block 0.
 double star_flops_closed(const Layout& layout, const AttnSpec& spec, int64_t B, int64_t anchor,
                          int r) {
-  const double n = double(layout.local_len(r));
+  const int64_t n = layout.local_len(r), b = layout.block();
   if (n == 0) return 0;
-  const bool holds_anchor = layout.global_position(r, 0) == 0;
-  const double pairs =
-      n * (n + 1) / 2 + (holds_anchor ? 0.0 : n * double(anchor_len(layout, anchor)));
+  const int64_t first = layout.global_position(r, 0);
+  double pairs = 0;
+  for (int64_t off = 0; off < n; off += b) {
+    const double m = double(std::min(b, n - off));
+    pairs += m * (m + 1) / 2 + (first + off == 0 ? 0.0 : m * double(anchor_len(layout, anchor)));
+  }
   return 2.0 * double(spec.head_dim + spec.dim_v()) * double(B * spec.heads_q) * pairs;
 }
 
@@ -584,9 +600,9 @@ TEST(StarFlops, ExactVisiblePairs) {
   for (const Problem& pb : {kF32, kBF16}) {
     const AttnSpec spec = make_spec(pb);
     for (int64_t S : {int64_t(1), int64_t(7), int64_t(50), int64_t(301)}) {
-      // One rank, no anchor: exact causal attention, S (S + 1) / 2 pairs. attention_flops uses
+      // One rank, one block: exact causal attention, S (S + 1) / 2 pairs. attention_flops uses
       // the halved model (S^2 / 2 pairs), which leaves out half the diagonal: S / 2 pairs.
-      const Layout one = Layout::blocks(S, 1, 16);
+      const Layout one = Layout::blocks(S, 1, std::max<int64_t>(S, 1));
       const double per_pair = 2.0 * double(pb.D + pb.Dv) * double(pb.B * pb.Hq);
       const double exact = per_pair * double(S) * double(S + 1) / 2;
       EXPECT_DOUBLE_EQ(star_prefill_flops(one, spec, pb.B, 0, 0), exact) << "S " << S;

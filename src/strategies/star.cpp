@@ -58,7 +58,7 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
   const size_t kr = size_t(spec.heads_kv * spec.head_dim) * dtype_size(q.dtype());
   const size_t vr = size_t(spec.heads_kv * spec.dim_v()) * dtype_size(q.dtype());
   std::vector<char> anchor_kv(size_t(B * a) * (kr + vr));
-  if (P > 1 && a > 0) {
+  if (a > 0) {
     if (me == root) {
       for (int64_t b = 0; b < B; ++b) {
         std::memcpy(anchor_kv.data() + size_t(b * a) * kr,
@@ -67,14 +67,22 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
                     static_cast<const char*>(v.data()) + size_t(b * n) * vr, size_t(a) * vr);
       }
     }
-    comm.broadcast(anchor_kv.data(), anchor_kv.size(), root);
+    if (P > 1) comm.broadcast(anchor_kv.data(), anchor_kv.size(), root);
   }
-  // [anchor | own tokens], causal on global positions: the anchor (positions 0 .. a-1) first,
-  // then the rank's own tokens; the rank holding the anchor attends to its own tokens only.
-  if (n > 0 && me != root && a > 0)
-    attend_runs(q, layout.runs(me), anchor_kv.data(), anchor_kv.data() + size_t(B * a) * kr, a,
-                {Run{0, 0, 1, a}}, spec, res);
-  if (n > 0) attend_runs(q, layout.runs(me), k.data(), v.data(), n, layout.runs(me), spec, res);
+  // Every block on its own: [anchor | block], causal on global positions. Block 0 holds the
+  // anchor itself and attends to itself only. The anchor's K/V are the broadcast copy (the
+  // holder packed its own), so every rank reads them from the same place.
+  const int64_t b = layout.block();
+  for (const Run& run : layout.runs(me)) {
+    for (int64_t off = 0; off < run.length; off += b) {
+      const Run block{run.local_begin + off, run.global_begin + off, 1,
+                      std::min(b, run.length - off)};
+      if (block.global_begin > 0 && a > 0)
+        attend_runs(q, {block}, anchor_kv.data(), anchor_kv.data() + size_t(B * a) * kr, a,
+                    {Run{0, 0, 1, a}}, spec, res);
+      attend_runs(q, {block}, k.data(), v.data(), n, {block}, spec, res);
+    }
+  }
   return res;
 }
 
@@ -146,21 +154,22 @@ uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank) {
 
 double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
                           int rank) {
-  const int64_t a = anchor_len(layout, anchor);
+  const int64_t a = anchor_len(layout, anchor), b = layout.block();
   const Mask& m = spec.mask;
+  // Visible keys of the query at p among positions [lo, hi] under the band.
+  auto count = [&](int64_t p, int64_t lo, int64_t hi) {
+    lo = m.left < 0 ? lo : std::max(lo, p - m.left);
+    hi = m.right < 0 ? hi : std::min(hi, p + m.right);
+    return double(std::max<int64_t>(0, hi - lo + 1));
+  };
   double pairs = 0;
   for (const Run& run : layout.runs(rank)) {
-    for (int64_t i = 0; i < run.length; ++i) {
-      const int64_t p = run.position(i);
-      // Own tokens [first, p + right] within the band (the run is contiguous).
-      const int64_t lo = m.left < 0 ? run.global_begin : std::max(run.global_begin, p - m.left);
-      const int64_t hi =
-          m.right < 0 ? run.last_position() : std::min(run.last_position(), p + m.right);
-      pairs += double(std::max<int64_t>(0, hi - lo + 1));
-      if (rank != anchor_root(layout) && a > 0) {  // the anchor, positions 0 .. a-1
-        const int64_t alo = m.left < 0 ? 0 : std::max<int64_t>(0, p - m.left);
-        const int64_t ahi = m.right < 0 ? a - 1 : std::min(a - 1, p + m.right);
-        pairs += double(std::max<int64_t>(0, ahi - alo + 1));
+    for (int64_t off = 0; off < run.length; off += b) {
+      const int64_t first = run.global_begin + off;
+      const int64_t last = first + std::min(b, run.length - off) - 1;
+      for (int64_t p = first; p <= last; ++p) {
+        pairs += count(p, first, last);                       // the block itself
+        if (first > 0 && a > 0) pairs += count(p, 0, a - 1);  // the anchor
       }
     }
   }

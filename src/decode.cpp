@@ -162,6 +162,7 @@ namespace {
 
 // Allreduce of fp32 values over the cp ranks: flat, or in two levels across nodes.
 void allreduce_f32(Runtime& rt, float* buf, size_t count, ReduceOp op) {
+  if (rt.cp_size() == 1) return;  // one rank: its partial is the result
   if (!rt.spans_nodes()) {
     rt.cp().allreduce(buf, buf, count, DType::f32, op);
     return;
@@ -280,6 +281,11 @@ Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<
   size_t total = 0;
   for (int r = 0; r < P; ++r)
     total += counts[size_t(r)] = size_t(c.batch() * c.local_len(r)) * per_token;
+  if (P == 1) {  // one rank: nothing to gather
+    Partial res = empty_partial(q, c.spec());
+    attend_runs(q, q_runs, c.k().data(), c.v().data(), c.capacity(), c.runs(0), c.spec(), res);
+    return res;
+  }
   const std::vector<char> mine = pack_shard(c);
   std::vector<char> all(std::max<size_t>(total, 1));
   comm.allgatherv(mine.data(), mine.size(), all.data(), counts);
@@ -334,6 +340,7 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
 uint64_t decode_send_bytes(Strategy strategy, const KvCache& c, int64_t s_q, int node_size,
                            int rank) {
   const int P = c.ranks();
+  if (P == 1) return 0;  // one rank sends nothing, whatever the strategy
   const uint64_t per_token = uint64_t(c.spec().heads_kv * (c.spec().head_dim + c.spec().dim_v())) *
                              dtype_size(c.dtype()) * uint64_t(c.batch());
   if (strategy == Strategy::ring) {

@@ -1,6 +1,8 @@
 // dtype names and the fp16 <-> fp32 conversions (bit-exact, round to nearest even).
 #include "src/dtype.h"
 
+#include <immintrin.h>
+
 #include "src/error.h"
 
 namespace dattn {
@@ -71,6 +73,21 @@ f16 to_f16(float f) {
   return f16{uint16_t(sign | h)};
 }
 
+#if defined(__x86_64__)
+namespace {
+// fp16 -> fp32 with the F16C instruction, 8 values at a time (the bit-exact scalar conversion
+// above is several times slower and dominated fp16 decode). Returns how many it converted.
+__attribute__((target("f16c,avx"))) size_t f16_to_f32_f16c(const f16* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  return i;
+}
+const bool kHaveF16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}  // namespace
+#endif
+
 void convert_to_f32(const void* src, DType src_type, float* dst, size_t n) {
   switch (src_type) {
     case DType::f32:
@@ -84,7 +101,11 @@ void convert_to_f32(const void* src, DType src_type, float* dst, size_t n) {
     }
     case DType::f16: {
       auto* s = static_cast<const f16*>(src);
-      for (size_t i = 0; i < n; ++i)
+      size_t i = 0;
+#if defined(__x86_64__)
+      if (kHaveF16c) i = f16_to_f32_f16c(s, dst, n);  // 8 at a time; the tail below
+#endif
+      for (; i < n; ++i)
         dst[i] = to_float(s[i]);
       return;
     }

@@ -1,0 +1,511 @@
+// MLA and TPLA on the CPU: the prefill expansion, the absorbed decode (sgemm over the whole
+// cache per query: scores [H, S], probabilities, z = P C), the latent transforms (fast
+// Walsh-Hadamard; PCA through LAPACK's dsyev) and the distributed decode (head split: allgather
+// of heads; TPLA: per-slice softmax, sum-allreduce of the outputs).
+#include "src/mla.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/vec_math.h"
+#include "src/error.h"
+#include "src/validate.h"
+
+extern "C" void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
+                       double* w, double* work, const int* lwork, int* info);
+
+namespace dattn {
+
+// ================================================================== config and weights
+
+float MlaConfig::scale() const {
+  return softmax_scale != 0.f ? softmax_scale : 1.0f / std::sqrt(float(qk_nope + rope));
+}
+
+void MlaConfig::validate() const {
+  DATTN_CHECK_ARG(heads > 0, "heads", heads, "> 0");
+  DATTN_CHECK_ARG(latent > 0, "latent", latent, "> 0 (d_c)");
+  DATTN_CHECK_ARG(rope >= 0, "rope", rope, ">= 0 (d_r)");
+  DATTN_CHECK_ARG(qk_nope > 0, "qk_nope", qk_nope, "> 0");
+  DATTN_CHECK_ARG(v_head > 0, "v_head", v_head, "> 0");
+  DATTN_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale >= 0.f, "softmax_scale",
+                  softmax_scale, "0 (1/sqrt(qk_nope + rope)) or a finite positive value");
+}
+
+namespace {
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// Gaussian values from a hash of (seed, index): reproducible whatever the thread count.
+void fill_gaussian(Tensor& t, uint64_t seed, float stddev) {
+  float* p = t.ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double u1 = (double(mix64(seed ^ uint64_t(2 * i)) >> 11) + 0.5) * 0x1.0p-53;
+    const double u2 = (double(mix64(seed ^ uint64_t(2 * i + 1)) >> 11) + 0.5) * 0x1.0p-53;
+    p[i] = float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2)) * stddev;
+  }
+}
+
+void check_f32(const Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  std::string want = "[";
+  for (int64_t s : shape)
+    want += (want.size() > 1 ? ", " : "") + std::to_string(s);
+  want += "] fp32";
+  bool ok = t.dtype() == DType::f32 && t.dim() == int(shape.size());
+  int d = 0;
+  for (int64_t s : shape) {
+    ok = ok && (s < 0 || t.size(d) == s);  // s < 0: any size
+    ++d;
+  }
+  DATTN_CHECK_ARG(ok, name, t.defined() ? t.shape_str() : std::string("undefined"),
+                  want + " (-1: any)");
+}
+}  // namespace
+
+MlaWeights MlaWeights::random(const MlaConfig& cfg, uint64_t seed) {
+  cfg.validate();
+  MlaWeights w{Tensor::empty({cfg.heads, cfg.qk_nope, cfg.latent}, DType::f32),
+               Tensor::empty({cfg.heads, cfg.v_head, cfg.latent}, DType::f32)};
+  const float sd = 1.0f / std::sqrt(float(cfg.latent));
+  fill_gaussian(w.w_uk, mix64(seed * 2 + 1), sd);
+  fill_gaussian(w.w_uv, mix64(seed * 2 + 2), sd);
+  return w;
+}
+
+// ================================================================== prefill form
+
+MlaExpanded mla_expand(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                       const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe,
+                       const Mask& mask) {
+  cfg.validate();
+  const int64_t H = cfg.heads, dc = cfg.latent, dr = cfg.rope, dn = cfg.qk_nope, dv = cfg.v_head;
+  check_f32(c_kv, "c_kv", {-1, -1, dc});
+  const int64_t B = c_kv.size(0), S = c_kv.size(1);
+  check_f32(k_pe, "k_pe", {B, S, dr});
+  check_f32(q_nope, "q_nope", {B, -1, H, dn});
+  check_f32(q_pe, "q_pe", {B, q_nope.size(1), H, dr});
+  check_f32(w.w_uk, "w_uk", {H, dn, dc});
+  check_f32(w.w_uv, "w_uv", {H, dv, dc});
+  const int64_t Sq = q_nope.size(1), dqk = dn + dr;
+  MlaExpanded e{Tensor::empty({B, Sq, H, dqk}, DType::f32),
+                Tensor::empty({B, S, H, dqk}, DType::f32), Tensor::empty({B, S, H, dv}, DType::f32),
+                AttnSpec{}};
+  openblas_set_num_threads(omp_get_max_threads());
+  for (int64_t h = 0; h < H; ++h) {  // K_nope_h = C W_UK_h^T, V_h = C W_UV_h^T, all tokens at once
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(B * S), int(dn), int(dc), 1.f,
+                c_kv.ptr<float>(), int(dc), w.w_uk.ptr<float>() + h * dn * dc, int(dc), 0.f,
+                e.k.ptr<float>() + h * dqk, int(H * dqk));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(B * S), int(dv), int(dc), 1.f,
+                c_kv.ptr<float>(), int(dc), w.w_uv.ptr<float>() + h * dv * dc, int(dc), 0.f,
+                e.v.ptr<float>() + h * dv, int(H * dv));
+  }
+  openblas_set_num_threads(1);
+  for (int64_t t = 0; t < B * S; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(e.k.ptr<float>() + (t * H + h) * dqk + dn, k_pe.ptr<float>() + t * dr,
+                  size_t(dr) * 4);
+  for (int64_t t = 0; t < B * Sq; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(e.q.ptr<float>() + (t * H + h) * dqk, q_nope.ptr<float>() + (t * H + h) * dn,
+                  size_t(dn) * 4);
+      std::memcpy(e.q.ptr<float>() + (t * H + h) * dqk + dn, q_pe.ptr<float>() + (t * H + h) * dr,
+                  size_t(dr) * 4);
+    }
+  e.spec.heads_q = e.spec.heads_kv = H;
+  e.spec.head_dim = dqk;
+  e.spec.head_dim_v = dv;
+  e.spec.softmax_scale = cfg.scale();
+  e.spec.mask = mask;
+  return e;
+}
+
+// ================================================================== absorbed decode
+
+namespace {
+
+// What one absorbed decode computes: heads [h0, h0 + nh) against the latent columns
+// [lat0, lat0 + nlat) held in c (its own columns 0 .. nlat) and the rope columns
+// [rope0, rope0 + nrope) held in kpe; the logits are multiplied by `mult`. out receives
+// W_UV_h[:, lat0 ..] z_h for its nh heads at head offset out_h0 of out_heads; lse (optional)
+// [B, nh, S_q] gets the slice's log-sum-exp.
+struct Slice {
+  int64_t h0, nh, lat0, nlat, rope0, nrope;
+  float mult = 1.f;
+};
+
+void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                     const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
+                     const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
+                     int64_t out_h0, float* lse) {
+  const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, S = c.size(1);
+  const int64_t dn = cfg.qk_nope, dc = cfg.latent, dr = cfg.rope, dv = cfg.v_head;
+  const int64_t lc = c.size(2), lr = kpe.size(2);  // columns held (>= the slice's)
+  const float alpha = cfg.scale() * sl.mult;
+  std::vector<float> qt(size_t(sl.nh * sl.nlat)),
+      qp(size_t(sl.nh * std::max<int64_t>(sl.nrope, 1)));
+  std::vector<float> sc(size_t(sl.nh * std::max<int64_t>(S, 1))), z(size_t(sl.nh * sl.nlat));
+  std::vector<float> m(size_t(sl.nh)), l(size_t(sl.nh));
+  openblas_set_num_threads(omp_get_max_threads());
+  for (int64_t b = 0; b < B; ++b) {
+    const float* cb = c.ptr<float>() + b * S * lc;
+    const float* kb = kpe.ptr<float>() + b * S * lr;
+    for (int64_t s = 0; s < Sq; ++s) {
+      const int64_t pos = q_pos0 + s;
+      for (int64_t i = 0; i < sl.nh; ++i) {  // q~_h = W_UK_h[:, slice]^T q_nope_h
+        const int64_t h = sl.h0 + i;
+        cblas_sgemv(CblasRowMajor, CblasTrans, int(dn), int(sl.nlat), 1.f,
+                    w.w_uk.ptr<float>() + h * dn * dc + sl.lat0, int(dc),
+                    q_nope.ptr<float>() + ((b * Sq + s) * H + h) * dn, 1, 0.f,
+                    qt.data() + i * sl.nlat, 1);
+        for (int64_t r = 0; r < sl.nrope; ++r)
+          qp[size_t(i * sl.nrope + r)] =
+              q_pe.ptr<float>()[((b * Sq + s) * H + h) * dr + sl.rope0 + r];
+      }
+      // scores [nh, S] = alpha (q~ C^T + q_pe K_pe^T)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sl.nh), int(S), int(sl.nlat), alpha,
+                  qt.data(), int(sl.nlat), cb, int(lc), 0.f, sc.data(), int(S));
+      if (sl.nrope > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sl.nh), int(S), int(sl.nrope),
+                    alpha, qp.data(), int(sl.nrope), kb + (lr == dr ? sl.rope0 : 0), int(lr), 1.f,
+                    sc.data(), int(S));
+      for (int64_t j = 0; j < S; ++j)
+        if (!mask.visible(pos, j))
+          for (int64_t i = 0; i < sl.nh; ++i)
+            sc[size_t(i * S + j)] = -INFINITY;
+      for (int64_t i = 0; i < sl.nh; ++i) {
+        float* row = sc.data() + i * S;
+        m[size_t(i)] = cpu::row_max(row, S);
+        if (m[size_t(i)] == -INFINITY) {
+          std::fill(row, row + S, 0.f);
+          l[size_t(i)] = 0.f;
+        } else {
+          l[size_t(i)] = cpu::exp_shift_sum(row, S, m[size_t(i)]);
+        }
+      }
+      // z [nh, nlat] = P C, then out_h = W_UV_h[:, slice] z_h / l_h
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sl.nh), int(sl.nlat), int(S), 1.f,
+                  sc.data(), int(S), cb, int(lc), 0.f, z.data(), int(sl.nlat));
+      for (int64_t i = 0; i < sl.nh; ++i) {
+        const int64_t h = sl.h0 + i;
+        float* o = out + ((b * Sq + s) * out_heads + out_h0 + i) * dv;
+        const float inv = l[size_t(i)] > 0.f ? 1.f / l[size_t(i)] : 0.f;
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, int(dv), int(sl.nlat), inv,
+                    w.w_uv.ptr<float>() + h * dv * dc + sl.lat0, int(dc), z.data() + i * sl.nlat, 1,
+                    0.f, o, 1);
+        if (lse != nullptr)
+          lse[(b * sl.nh + i) * Sq + s] =
+              l[size_t(i)] > 0.f ? m[size_t(i)] + std::log(l[size_t(i)]) : -INFINITY;
+      }
+    }
+  }
+  openblas_set_num_threads(1);
+}
+
+void check_decode_inputs(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                         const Tensor& q_pe) {
+  cfg.validate();
+  check_f32(q_nope, "q_nope", {-1, -1, cfg.heads, cfg.qk_nope});
+  check_f32(q_pe, "q_pe", {q_nope.size(0), q_nope.size(1), cfg.heads, cfg.rope});
+  check_f32(w.w_uk, "w_uk", {cfg.heads, cfg.qk_nope, cfg.latent});
+  check_f32(w.w_uv, "w_uv", {cfg.heads, cfg.v_head, cfg.latent});
+}
+
+}  // namespace
+
+Partial mla_decode_local(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                         const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe, int64_t q_pos0,
+                         const Mask& mask) {
+  check_decode_inputs(cfg, w, q_nope, q_pe);
+  check_f32(c_kv, "c_kv", {q_nope.size(0), -1, cfg.latent});
+  check_f32(k_pe, "k_pe", {q_nope.size(0), c_kv.size(1), cfg.rope});
+  const int64_t B = q_nope.size(0), Sq = q_nope.size(1);
+  Partial r{Tensor::zeros({B, Sq, cfg.heads, cfg.v_head}, DType::f32),
+            Tensor::empty({B, cfg.heads, Sq}, DType::f32)};
+  absorbed_decode(cfg, w, q_nope, q_pe, c_kv, k_pe, q_pos0, mask,
+                  Slice{0, cfg.heads, 0, cfg.latent, 0, cfg.rope}, r.out.ptr<float>(), cfg.heads, 0,
+                  r.lse.ptr<float>());
+  return r;
+}
+
+// ================================================================== transforms
+
+const char* latent_transform_name(LatentTransform t) {
+  return t == LatentTransform::none ? "none" : t == LatentTransform::hadamard ? "hadamard" : "pca";
+}
+
+void fwht(float* x, int64_t n) {
+  DATTN_CHECK_ARG(n > 0 && (n & (n - 1)) == 0, "fwht size", n, "a power of two");
+  for (int64_t len = 1; len < n; len <<= 1)
+    for (int64_t i = 0; i < n; i += 2 * len)
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+  const float norm = 1.0f / std::sqrt(float(n));
+  for (int64_t i = 0; i < n; ++i)
+    x[i] *= norm;
+}
+
+MlaTransform make_latent_transform(LatentTransform kind, int64_t d_c, const Tensor& calibration) {
+  MlaTransform t{kind, d_c, {}};
+  if (kind == LatentTransform::none) return t;
+  t.r.assign(size_t(d_c * d_c), 0.f);
+  if (kind == LatentTransform::hadamard) {
+    DATTN_CHECK_ARG(d_c > 0 && (d_c & (d_c - 1)) == 0, "latent", d_c,
+                    "a power of two for the Hadamard transform");
+    for (int64_t i = 0; i < d_c; ++i) {  // H is symmetric: row i = H e_i
+      float* row = t.r.data() + i * d_c;
+      row[i] = 1.f;
+      fwht(row, d_c);
+    }
+    return t;
+  }
+  // PCA: eigenvectors of the calibration latents' covariance, by decreasing variance.
+  check_f32(calibration, "calibration", {-1, d_c});
+  const int64_t N = calibration.size(0);
+  DATTN_CHECK_ARG(N >= 2, "calibration tokens", N, ">= 2");
+  const float* x = calibration.ptr<float>();
+  std::vector<double> mean(size_t(d_c), 0.0), cov(size_t(d_c * d_c), 0.0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t a = 0; a < d_c; ++a)
+      mean[size_t(a)] += x[i * d_c + a] / double(N);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t a = 0; a < d_c; ++a) {
+      const double xa = x[i * d_c + a] - mean[size_t(a)];
+      for (int64_t b = 0; b <= a; ++b)
+        cov[size_t(a * d_c + b)] += xa * (x[i * d_c + b] - mean[size_t(b)]) / double(N - 1);
+    }
+  for (int64_t a = 0; a < d_c; ++a)
+    for (int64_t b = 0; b < a; ++b)
+      cov[size_t(b * d_c + a)] = cov[size_t(a * d_c + b)];
+  const int n = int(d_c);
+  int info = 0, lwork = -1;
+  std::vector<double> eig(static_cast<size_t>(d_c));
+  double query = 0;
+  dsyev_("V", "U", &n, cov.data(), &n, eig.data(), &query, &lwork, &info);
+  lwork = int(query);
+  std::vector<double> work(size_t(std::max(lwork, 1)));
+  dsyev_("V", "U", &n, cov.data(), &n, eig.data(), work.data(), &lwork, &info);
+  if (info != 0) DATTN_THROW("LAPACK dsyev failed for the PCA transform: info = ", info);
+  // Column k of the (column-major) result is the eigenvector of eig[k], ascending.
+  for (int64_t i = 0; i < d_c; ++i)
+    for (int64_t a = 0; a < d_c; ++a)
+      t.r[size_t(i * d_c + a)] = float(cov[size_t((d_c - 1 - i) * d_c + a)]);
+  return t;
+}
+
+namespace {
+// rows [n, d] times R^T: each row x becomes R x.
+Tensor rows_times_rt(const Tensor& rows, int64_t n, int64_t d, const std::vector<float>& r,
+                     std::initializer_list<int64_t> shape) {
+  Tensor out = Tensor::empty(shape, DType::f32);
+  openblas_set_num_threads(omp_get_max_threads());
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(d), int(d), 1.f,
+              rows.ptr<float>(), int(d), r.data(), int(d), 0.f, out.ptr<float>(), int(d));
+  openblas_set_num_threads(1);
+  return out;
+}
+}  // namespace
+
+MlaWeights fold_transform(const MlaWeights& w, const MlaTransform& t) {
+  if (t.kind == LatentTransform::none) return {w.w_uk.to(DType::f32), w.w_uv.to(DType::f32)};
+  const int64_t H = w.w_uk.size(0), dn = w.w_uk.size(1), dv = w.w_uv.size(1), dc = t.dim;
+  DATTN_CHECK_ARG(w.w_uk.size(2) == dc, "w_uk latent", w.w_uk.size(2), dc);
+  return {rows_times_rt(w.w_uk, H * dn, dc, t.r, {H, dn, dc}),
+          rows_times_rt(w.w_uv, H * dv, dc, t.r, {H, dv, dc})};
+}
+
+Tensor apply_transform(const MlaTransform& t, const Tensor& c_kv) {
+  if (t.kind == LatentTransform::none) return c_kv.to(DType::f32);
+  check_f32(c_kv, "c_kv", {-1, -1, t.dim});
+  return rows_times_rt(c_kv, c_kv.size(0) * c_kv.size(1), t.dim, t.r,
+                       {c_kv.size(0), c_kv.size(1), t.dim});
+}
+
+// ================================================================== distributed decode
+
+const char* mla_parallel_name(MlaParallel p) {
+  return p == MlaParallel::head_split ? "head_split" : "tpla";
+}
+
+namespace {
+// The latent and rope columns rank g of G holds.
+Slice tpla_slice(const MlaConfig& cfg, const TplaOptions& opt, int g, int G) {
+  Slice s{0, cfg.heads, g * cfg.latent / G, cfg.latent / G, 0, cfg.rope};
+  if (opt.rope == RopePlacement::split) {
+    s.rope0 = g * cfg.rope / G;
+    s.nrope = cfg.rope / G;
+  }
+  s.mult = opt.scale_logits_by_g ? float(G) : 1.f;
+  return s;
+}
+
+void check_parallel(const MlaConfig& cfg, MlaParallel parallel, const TplaOptions& opt, int G) {
+  cfg.validate();
+  if (parallel == MlaParallel::head_split) {
+    DATTN_CHECK_ARG(cfg.heads % G == 0, "heads", cfg.heads,
+                    detail::cat("divisible by the ranks (", G, ") for head-split parallelism"));
+  } else {
+    DATTN_CHECK_ARG(cfg.latent % G == 0, "latent", cfg.latent,
+                    detail::cat("divisible by the ranks (", G, ") for TPLA"));
+    if (opt.rope == RopePlacement::split)
+      DATTN_CHECK_ARG(cfg.rope % G == 0, "rope", cfg.rope,
+                      detail::cat("divisible by the ranks (", G, ") for a split RoPE part"));
+  }
+}
+
+Tensor columns(const Tensor& t, int64_t begin, int64_t len) {
+  const int64_t B = t.size(0), S = t.size(1), d = t.size(2);
+  Tensor out = Tensor::empty({B, S, len}, DType::f32);
+  for (int64_t i = 0; i < B * S; ++i)
+    std::memcpy(out.ptr<float>() + i * len, t.ptr<float>() + i * d + begin, size_t(len) * 4);
+  return out;
+}
+}  // namespace
+
+MlaCacheShard mla_shard_cache(const MlaConfig& cfg, MlaParallel parallel, const TplaOptions& opt,
+                              const Tensor& c_kv, const Tensor& k_pe, int rank, int ranks) {
+  check_parallel(cfg, parallel, opt, ranks);
+  check_f32(c_kv, "c_kv", {-1, -1, cfg.latent});
+  check_f32(k_pe, "k_pe", {c_kv.size(0), c_kv.size(1), cfg.rope});
+  if (parallel == MlaParallel::head_split) return {c_kv, k_pe, 0, cfg.latent, 0, cfg.rope};
+  const Slice s = tpla_slice(cfg, opt, rank, ranks);
+  MlaCacheShard sh{columns(c_kv, s.lat0, s.nlat), k_pe, s.lat0, s.nlat, 0, cfg.rope};
+  if (opt.rope == RopePlacement::split) {
+    sh.k_pe = columns(k_pe, s.rope0, s.nrope);
+    sh.rope_begin = s.rope0;
+    sh.rope_len = s.nrope;
+  }
+  return sh;
+}
+
+Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const MlaWeights& w,
+                  const Tensor& q_nope, const Tensor& q_pe, const MlaCacheShard& shard,
+                  int64_t q_pos0, const TplaOptions& opt, const Mask& mask) {
+  Communicator& comm = rt.cp();
+  const int G = comm.size(), g = comm.rank();
+  uint64_t h = kHashSeed;
+  for (int64_t x : {cfg.heads, cfg.latent, cfg.rope, cfg.qk_nope, cfg.v_head, int64_t(parallel),
+                    int64_t(opt.rope), int64_t(opt.scale_logits_by_g), q_pos0,
+                    q_nope.dim() == 4 ? q_nope.size(1) : int64_t(0)})
+    h = hash_mix(h, uint64_t(x));
+  agree_on_validation(comm, "MLA decode step", h, [&] {
+    check_parallel(cfg, parallel, opt, G);
+    check_decode_inputs(cfg, w, q_nope, q_pe);
+    const Slice s = parallel == MlaParallel::tpla ? tpla_slice(cfg, opt, g, G)
+                                                  : Slice{0, cfg.heads, 0, cfg.latent, 0, cfg.rope};
+    DATTN_CHECK_ARG(shard.latent_begin == s.lat0 && shard.latent_len == s.nlat &&
+                        shard.c_kv.dim() == 3 && shard.c_kv.size(2) == s.nlat,
+                    "cache shard latent", detail::cat(shard.latent_begin, "+", shard.latent_len),
+                    detail::cat(s.lat0, "+", s.nlat, " (this rank's slice)"));
+    check_f32(shard.c_kv, "cache c_kv", {q_nope.size(0), -1, s.nlat});
+    check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), -1});
+  });
+  const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, dv = cfg.v_head;
+  if (parallel == MlaParallel::tpla) {
+    Tensor out = Tensor::zeros({B, Sq, H, dv}, DType::f32);
+    absorbed_decode(cfg, w, q_nope, q_pe, shard.c_kv, shard.k_pe, q_pos0, mask,
+                    tpla_slice(cfg, opt, g, G), out.ptr<float>(), H, 0, nullptr);
+    if (G > 1)
+      comm.allreduce(out.data(), out.data(), size_t(out.numel()), DType::f32, ReduceOp::sum);
+    return out;
+  }
+  // Head split: my heads, then every rank's heads to every rank.
+  const int64_t hg = H / G;
+  Tensor mine = Tensor::zeros({B, Sq, hg, dv}, DType::f32);
+  absorbed_decode(cfg, w, q_nope, q_pe, shard.c_kv, shard.k_pe, q_pos0, mask,
+                  Slice{g * hg, hg, 0, cfg.latent, 0, cfg.rope}, mine.ptr<float>(), hg, 0, nullptr);
+  if (G == 1) return mine;
+  std::vector<float> all(size_t(mine.numel()) * size_t(G));
+  comm.allgather(mine.data(), all.data(), mine.nbytes());
+  Tensor out = Tensor::empty({B, Sq, H, dv}, DType::f32);
+  for (int r = 0; r < G; ++r)
+    for (int64_t t = 0; t < B * Sq; ++t)
+      std::memcpy(out.ptr<float>() + (t * H + r * hg) * dv,
+                  all.data() + size_t(r) * size_t(mine.numel()) + size_t(t * hg * dv),
+                  size_t(hg * dv) * 4);
+  return out;
+}
+
+uint64_t mla_cache_bytes_per_token(const MlaConfig& cfg, MlaParallel parallel,
+                                   const TplaOptions& opt, int ranks) {
+  if (parallel == MlaParallel::head_split) return uint64_t(cfg.latent + cfg.rope) * 4;
+  if (opt.rope == RopePlacement::split) return uint64_t((cfg.latent + cfg.rope) / ranks) * 4;
+  return uint64_t(cfg.latent / ranks + cfg.rope) * 4;
+}
+
+uint64_t mla_decode_send_bytes(const MlaConfig& cfg, MlaParallel parallel, int64_t batch,
+                               int64_t s_q, int ranks) {
+  if (ranks == 1) return 0;
+  const uint64_t rows = uint64_t(batch * s_q);
+  if (parallel == MlaParallel::head_split)  // allgather: this rank's heads
+    return rows * uint64_t(cfg.heads / ranks * cfg.v_head) * 4;
+  return rows * uint64_t(cfg.heads * cfg.v_head) * 4;  // sum-allreduce of the whole output
+}
+
+std::vector<double> tpla_reference(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                                   const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe,
+                                   int64_t q_pos0, int ranks, const TplaOptions& opt,
+                                   const Mask& mask) {
+  check_parallel(cfg, MlaParallel::tpla, opt, ranks);
+  check_decode_inputs(cfg, w, q_nope, q_pe);
+  const int64_t B = q_nope.size(0), Sq = q_nope.size(1), S = c_kv.size(1), H = cfg.heads;
+  const int64_t dn = cfg.qk_nope, dc = cfg.latent, dr = cfg.rope, dv = cfg.v_head;
+  const double scale = cfg.scale();
+  std::vector<double> out(size_t(B * Sq * H * dv), 0.0);
+  const float *wk = w.w_uk.ptr<float>(), *wv = w.w_uv.ptr<float>();
+  const float *qn = q_nope.ptr<float>(), *qpe = q_pe.ptr<float>();
+  const float *c = c_kv.ptr<float>(), *kp = k_pe.ptr<float>();
+  for (int g = 0; g < ranks; ++g) {
+    const Slice sl = tpla_slice(cfg, opt, g, ranks);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < Sq; ++s)
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t row = (b * Sq + s) * H + h;
+          std::vector<double> qt(size_t(sl.nlat), 0.0), sc(static_cast<size_t>(S)),
+              z(size_t(sl.nlat), 0.0);
+          for (int64_t a = 0; a < sl.nlat; ++a)
+            for (int64_t k = 0; k < dn; ++k)
+              qt[size_t(a)] += double(wk[(h * dn + k) * dc + sl.lat0 + a]) * qn[row * dn + k];
+          double m = -INFINITY;
+          for (int64_t j = 0; j < S; ++j) {
+            if (!mask.visible(q_pos0 + s, j)) {
+              sc[size_t(j)] = -INFINITY;
+              continue;
+            }
+            double dot = 0;
+            for (int64_t a = 0; a < sl.nlat; ++a)
+              dot += qt[size_t(a)] * c[(b * S + j) * dc + sl.lat0 + a];
+            for (int64_t r = 0; r < sl.nrope; ++r)
+              dot += double(qpe[row * dr + sl.rope0 + r]) * kp[(b * S + j) * dr + sl.rope0 + r];
+            sc[size_t(j)] = dot * scale * sl.mult;
+            m = std::max(m, sc[size_t(j)]);
+          }
+          if (m == -INFINITY) continue;
+          double sum = 0;
+          for (int64_t j = 0; j < S; ++j) {
+            if (sc[size_t(j)] == -INFINITY) continue;
+            const double p = std::exp(sc[size_t(j)] - m);
+            sum += p;
+            for (int64_t a = 0; a < sl.nlat; ++a)
+              z[size_t(a)] += p * c[(b * S + j) * dc + sl.lat0 + a];
+          }
+          for (int64_t d = 0; d < dv; ++d) {
+            double o = 0;
+            for (int64_t a = 0; a < sl.nlat; ++a)
+              o += double(wv[(h * dv + d) * dc + sl.lat0 + a]) * z[size_t(a)] / sum;
+            out[size_t(row * dv + d)] += o;
+          }
+        }
+  }
+  return out;
+}
+
+}  // namespace dattn

@@ -406,7 +406,12 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
                     "cache shard latent", detail::cat(shard.latent_begin, "+", shard.latent_len),
                     detail::cat(s.lat0, "+", s.nlat, " (this rank's slice)"));
     check_f32(shard.c_kv, "cache c_kv", {q_nope.size(0), -1, s.nlat});
-    check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), -1});
+    DATTN_CHECK_ARG(
+        shard.rope_begin == s.rope0 && shard.rope_len == s.nrope, "cache shard rope",
+        detail::cat(shard.rope_begin, "+", shard.rope_len),
+        detail::cat(s.rope0, "+", s.nrope, " (this rank's RoPE columns under the ",
+                    opt.rope == RopePlacement::split ? "split" : "replicated", " placement)"));
+    check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), s.nrope});
   });
   const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, dv = cfg.v_head;
   if (parallel == MlaParallel::tpla) {

@@ -54,8 +54,8 @@ MlaExpanded mla_expand(const MlaConfig& cfg, const MlaWeights& w, const Tensor& 
 // [B, S_q, H, d_r]) at global positions q_pos0 .. against the cache c_kv [B, S, d_c],
 // k_pe [B, S, d_r] at positions 0 .. S-1. Returns out [B, S_q, H, v_head] and lse [B, H, S_q].
 Partial mla_decode_local(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
-                         const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe,
-                         int64_t q_pos0, const Mask& mask = Mask::causal());
+                         const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe, int64_t q_pos0,
+                         const Mask& mask = Mask::causal());
 
 // ---------------------------------------------------------------- transforms
 // An orthogonal d_c x d_c matrix R applied to the latent before slicing: c' = R c. Folding it
@@ -113,9 +113,9 @@ uint64_t mla_decode_send_bytes(const MlaConfig& cfg, MlaParallel parallel, int64
 
 // The float64 reference of TPLA's per-slice rule in one process (G slices, the same options):
 // what mla_decode(tpla) must equal; with G = 1 it is exact MLA.
-std::vector<double> tpla_reference(const MlaConfig& cfg, const MlaWeights& w,
-                                   const Tensor& q_nope, const Tensor& q_pe, const Tensor& c_kv,
-                                   const Tensor& k_pe, int64_t q_pos0, int ranks,
-                                   const TplaOptions& opt, const Mask& mask = Mask::causal());
+std::vector<double> tpla_reference(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                                   const Tensor& q_pe, const Tensor& c_kv, const Tensor& k_pe,
+                                   int64_t q_pos0, int ranks, const TplaOptions& opt,
+                                   const Mask& mask = Mask::causal());
 
 }  // namespace dattn

@@ -213,16 +213,33 @@ std::vector<int64_t> outlier_channels(int64_t d_c, int64_t n) {
   return idx;
 }
 
-// The two input kinds: the latents' per-channel std.
-enum class Kind : int { uniform = 0, outliers = 1 };
-constexpr int kKinds = 2;
+// The input kinds: latents with every channel of the same energy; latents with a few outlier
+// channels and isotropic queries (the outliers barely steer the logits); and the same latents
+// with queries whose absorbed weights are kAlignFactor x larger on the outlier channels, so that
+// the outlier channels dominate the logits (the case the transforms exist for).
+enum class Kind : int { uniform = 0, outliers = 1, aligned = 2 };
+constexpr int kKinds = 3;
+constexpr float kAlignFactor = 5.f;
 const char* kind_name(Kind k) {
-  return k == Kind::uniform ? "uniform energy" : "outlier channels";
+  return k == Kind::uniform    ? "uniform energy"
+         : k == Kind::outliers ? "outlier channels"
+                               : "outlier channels, aligned queries";
+}
+
+// The weights of a kind: for `aligned`, W_UK's columns of the outlier channels scaled up.
+MlaWeights kind_weights(Kind k, const MlaWeights& w, const std::vector<int64_t>& outliers) {
+  if (k != Kind::aligned) return w;
+  MlaWeights a{w.w_uk.to(dattn::DType::f32), w.w_uv};
+  const int64_t rows = a.w_uk.size(0) * a.w_uk.size(1), dc = a.w_uk.size(2);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c : outliers)
+      a.w_uk.ptr<float>()[r * dc + c] *= kAlignFactor;
+  return a;
 }
 
 std::vector<float> channel_std(Kind k, int64_t d_c, const std::vector<int64_t>& outliers) {
   std::vector<float> s(static_cast<size_t>(d_c), 1.f);
-  if (k == Kind::outliers)
+  if (k != Kind::uniform)
     for (int64_t c : outliers)
       s[size_t(c)] = kOutlierFactor;
   return s;
@@ -462,6 +479,8 @@ const dattn::report::Table& table() {
                                        {"max_unif", "(abs)", 9},
                                        {"err_outl", "(rel L2)", 9},
                                        {"max_outl", "(abs)", 9},
+                                       {"err_algn", "(rel L2)", 9},
+                                       {"max_algn", "(abs)", 9},
                                        {"#wrong", "", 6}});
   return t;
 }
@@ -476,7 +495,8 @@ void print_row(const Row& r) {
        m.rope_name(), m.logits_name(), fixed(double(r.cache_model_bytes) / (1024.0 * 1024.0), 2),
        fixed(r.cache_ratio, 3), fixed(r.sent_kb, 3), fixed(r.model_kb, 3), fixed(r.mean_ms, 2),
        fixed(r.p50_ms, 2), sci(r.acc[0].rel_l2, 2), sci(r.acc[0].max_abs, 2),
-       sci(r.acc[1].rel_l2, 2), sci(r.acc[1].max_abs, 2), std::to_string(r.wrong())});
+       sci(r.acc[1].rel_l2, 2), sci(r.acc[1].max_abs, 2), sci(r.acc[2].rel_l2, 2),
+       sci(r.acc[2].max_abs, 2), std::to_string(r.wrong())});
 }
 
 std::string accuracy_json(const Accuracy& a) {
@@ -511,6 +531,7 @@ std::string row_json(const Row& r) {
       .add_raw("step_ms", dattn::report::json_array(times))
       .add_raw("uniform_energy", accuracy_json(r.acc[0]))
       .add_raw("outlier_channels", accuracy_json(r.acc[1]))
+      .add_raw("outlier_channels_aligned_queries", accuracy_json(r.acc[2]))
       .add("exact_wrong", int64_t(r.exact_wrong))
       .add("wrong", int64_t(r.wrong()));
   return j.str();
@@ -568,7 +589,8 @@ int mla_bench(int argc, char** argv) {
       cat("inputs: q_nope, q_pe, k_pe ~ N(0, 1); c_kv ~ N(0, 1) per channel (uniform energy) or "
           "with ",
           o.outliers, " outlier channels at ", kOutlierFactor, "x std (outlier channels",
-          outliers.empty() ? std::string() : cat(": ", channels), ")"),
+          outliers.empty() ? std::string() : cat(": ", channels), "), the latter also with W_UK x",
+          kAlignFactor, " on those channels (aligned queries: the outliers dominate the logits)"),
       cat("PCA calibrated per kind on ", o.calibration,
           " other tokens of that kind; reference: exact MLA (mla_decode_local on the "
           "untransformed cache, heads split over the ranks)")};
@@ -578,7 +600,7 @@ int mla_bench(int argc, char** argv) {
   }
 
   // ---------------------------------------------------------------- the same on both kinds
-  const MlaWeights w = MlaWeights::random(cfg, kWeightSeed);
+  const MlaWeights w_random = MlaWeights::random(cfg, kWeightSeed);
   pb.q_nope = Tensor::empty({B, Sq, H, o.qk_nope}, dattn::DType::f32);
   pb.q_pe = Tensor::empty({B, Sq, H, dr}, dattn::DType::f32);
   fill(pb.q_nope, kQNope, B, Sq, H, o.qk_nope, pb.pos0);
@@ -589,8 +611,6 @@ int mla_bench(int argc, char** argv) {
   cfg_mine.heads = pb.hn;
   cfg_mine.softmax_scale = cfg.scale();
   const MlaTransform hadamard = dattn::make_latent_transform(LatentTransform::hadamard, dc);
-  progress("folding the Hadamard transform into the weights ...");
-  const MlaWeights w_hadamard = dattn::fold_transform(w, hadamard);
 
   std::vector<Row> rows;
   for (const Method& m : methods()) {
@@ -606,6 +626,9 @@ int mla_bench(int argc, char** argv) {
   for (int k = 0; k < kKinds; ++k) {
     const Kind kind = Kind(k);
     const std::vector<float> stds = channel_std(kind, dc, outliers);
+    const MlaWeights w = kind_weights(kind, w_random, outliers);
+    progress(cat(kind_name(kind), ": folding the Hadamard transform into the weights ..."));
+    const MlaWeights w_hadamard = dattn::fold_transform(w, hadamard);
     progress(cat(kind_name(kind), ": generating the cache (", S, " tokens, batch ", B, ") and ",
                  o.calibration, " calibration latents ..."));
     Tensor c_kv = Tensor::empty({B, S, dc}, dattn::DType::f32);
@@ -697,6 +720,8 @@ int mla_bench(int argc, char** argv) {
   const bool cache_met = cache_ratio <= cache_target + 1e-12;
   const double outl_none = tpla_none.acc[1].rel_l2, outl_hadamard = tpla_hadamard.acc[1].rel_l2;
   const bool outlier_met = outl_hadamard < outl_none;
+  const double algn_none = tpla_none.acc[2].rel_l2, algn_hadamard = tpla_hadamard.acc[2].rel_l2;
+  const bool aligned_met = algn_hadamard < algn_none;
 
   if (root) {
     using dattn::report::print_footer_line;
@@ -756,6 +781,14 @@ int mla_bench(int argc, char** argv) {
         : outlier_met ? ": met"
                       : ": NOT met",
         sci(tpla_pca.acc[1].rel_l2, 1).c_str());
+    std::printf(
+        "# outlier latents, aligned queries (outliers dominate the logits): tpla rel err none "
+        "%s, hadamard %s (target: hadamard < none)%s; pca %s\n",
+        sci(algn_none, 1).c_str(), sci(algn_hadamard, 1).c_str(),
+        G == 1        ? " (G = 1: every row is exact MLA)"
+        : aligned_met ? ": met"
+                      : ": NOT met",
+        sci(tpla_pca.acc[2].rel_l2, 1).c_str());
     std::printf(
         "# uniform latents: tpla rel err none %s, hadamard %s, pca %s; split rope %s, "
         "hadamard logit-scale-G %s (outliers: %s, %s)\n",
@@ -819,6 +852,10 @@ int mla_bench(int argc, char** argv) {
           .add("tpla_pca_rel_err", tpla_pca.acc[1].rel_l2)
           .add("target", "hadamard < none");
       if (G > 1) jout.add("met", outlier_met);
+      jout.add("aligned_tpla_none_rel_err", algn_none)
+          .add("aligned_tpla_hadamard_rel_err", algn_hadamard)
+          .add("aligned_tpla_pca_rel_err", tpla_pca.acc[2].rel_l2);
+      if (G > 1) jout.add("aligned_met", aligned_met);
       dattn::report::JsonObject top;
       top.add_raw("config", jc.str())
           .add_raw("rows", dattn::report::json_array(jrows))

@@ -35,6 +35,8 @@ struct ByteCounters {
     auto it = ops.find(op);
     return it == ops.end() ? 0 : it->second.bytes;
   }
+  // The data a strategy moved: every operation but "control" (validation's flags and hashes).
+  uint64_t data_bytes() const { return total_bytes() - bytes("control"); }
   uint64_t total_bytes() const {
     uint64_t t = 0;
     for (const auto& [name, e] : ops)

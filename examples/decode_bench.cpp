@@ -453,15 +453,6 @@ double peak_rss_mib() {
   return double(ru.ru_maxrss) / 1024.0;
 }
 
-// Bytes the strategy moves, as the communicators count them: every operation but the
-// validation's "control" allreduces.
-uint64_t data_bytes(const dattn::ByteCounters& c) {
-  uint64_t sum = 0;
-  for (const auto& [op, e] : c.ops)
-    if (op != "control") sum += e.bytes;
-  return sum;
-}
-
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
 // buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
 // the largest shard's K and V (none on one rank); allgather the whole context's K and V.
@@ -571,7 +562,7 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
     const double t0 = MPI_Wtime();
     res = dattn::decode(rt, q, cache, strategy);
     const double t = MPI_Wtime() - t0;
-    const uint64_t sent = data_bytes(rt.counters());
+    const uint64_t sent = rt.counters().data_bytes();
     const uint64_t model = dattn::decode_send_bytes(strategy, cache, Sq, node_size, r);
     if (sent != model) mismatches += 1;
     if (timed) {

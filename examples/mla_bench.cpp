@@ -279,15 +279,6 @@ uint64_t allreduce_u64(uint64_t v, MPI_Op op) {
   return v;
 }
 
-// Bytes a call moved, as the communicators count them: every operation but the validation's
-// "control" allreduces.
-uint64_t data_bytes(const dattn::ByteCounters& c) {
-  uint64_t sum = 0;
-  for (const auto& [op, e] : c.ops)
-    if (op != "control") sum += e.bytes;
-  return sum;
-}
-
 // Nearest-rank percentile of sorted values.
 double percentile(const std::vector<double>& sorted, double p) {
   const size_t n = sorted.size();
@@ -438,7 +429,7 @@ Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const M
     const double t0 = MPI_Wtime();
     out = dattn::mla_decode(rt, m.parallel, pb.cfg, w, pb.q_nope, pb.q_pe, shard, pb.pos0, m.opt);
     const double t = MPI_Wtime() - t0;
-    const uint64_t sent = data_bytes(rt.counters());
+    const uint64_t sent = rt.counters().data_bytes();
     if (sent != model) mismatches += 1;
     if (timed && it >= warmup) {
       times.push_back(t);

@@ -271,15 +271,6 @@ uint64_t allreduce_u64(uint64_t v, MPI_Op op) {
   return v;
 }
 
-// Bytes a call moved, as the communicators count them: every operation but the validation's
-// "control" allreduces.
-uint64_t data_bytes(const dattn::ByteCounters& c) {
-  uint64_t sum = 0;
-  for (const auto& [op, e] : c.ops)
-    if (op != "control") sum += e.bytes;
-  return sum;
-}
-
 // Nearest-rank percentile of sorted values.
 double percentile(const std::vector<double>& sorted, double p) {
   const size_t n = sorted.size();
@@ -324,7 +315,7 @@ void time_calls(dattn::Runtime& rt, const Options& o, const std::function<void()
     const double t0 = MPI_Wtime();
     call();
     const double t = MPI_Wtime() - t0;
-    const uint64_t sent = data_bytes(rt.counters());
+    const uint64_t sent = rt.counters().data_bytes();
     if (sent != model) mismatches += 1;
     if (timed) {
       seconds += t;
@@ -432,7 +423,7 @@ std::vector<AccRow> run_accuracy(dattn::Runtime& rt, const Options& o, const dat
     for (int64_t a : anchors) {
       rt.reset_counters();
       const dattn::Partial star = dattn::star_prefill(rt, q, k, v, spec, layout, a);
-      const uint64_t sent = data_bytes(rt.counters());
+      const uint64_t sent = rt.counters().data_bytes();
       const uint64_t model = dattn::star_prefill_send_bytes(layout, spec, B, o.dtype, a, r);
       const bool block0 = layout.local_len(r) > 0 && layout.global_position(r, 0) == 0;
       AccRow row = compare_phase1(star, exact, block0 ? std::min(block, layout.local_len(r)) : 0);
@@ -706,7 +697,7 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
     double t0 = MPI_Wtime();
     const dattn::Partial star = dattn::star_decode(rt, q, star_cache);
     star_acc.times.push_back(MPI_Wtime() - t0);
-    uint64_t sent = data_bytes(rt.counters());
+    uint64_t sent = rt.counters().data_bytes();
     uint64_t model = dattn::star_decode_send_bytes(star_cache, Sq, r);
     star_acc.sent_sum += sent;
     star_acc.model_sum += model;
@@ -717,7 +708,7 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
     t0 = MPI_Wtime();
     const dattn::Partial tree = dattn::decode(rt, q, tree_cache, Strategy::tree);
     tree_acc.times.push_back(MPI_Wtime() - t0);
-    sent = data_bytes(rt.counters());
+    sent = rt.counters().data_bytes();
     model = dattn::decode_send_bytes(Strategy::tree, tree_cache, Sq, node_size, r);
     tree_acc.sent_sum += sent;
     tree_acc.model_sum += model;

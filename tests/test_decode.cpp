@@ -448,13 +448,6 @@ TEST(DecodeEmptyShards, ShortContexts) {
 
 // ---------------------------------------------------------------- 3. bytes
 
-// Bytes this rank sent, over every operation but validation's "control".
-uint64_t data_bytes(const ByteCounters& c) {
-  uint64_t t = 0;
-  for (const auto& [name, e] : c.ops)
-    if (name != "control") t += e.bytes;
-  return t;
-}
 std::string counters_str(const ByteCounters& c) {
   std::string s;
   for (const auto& [name, e] : c.ops)
@@ -484,7 +477,7 @@ TEST(DecodeBytes, MatchModel) {
           rt.reset_counters();
           Partial res = decode(rt, q, cache, s);
           const ByteCounters counters = rt.counters();
-          const uint64_t sent = data_bytes(counters);
+          const uint64_t sent = counters.data_bytes();
           EXPECT_EQ(sent, decode_send_bytes(s, cache, s_q, 0, me)) << counters_str(counters);
           if (s == Strategy::tree) {
             tree_bytes.push_back(sent);
@@ -536,7 +529,7 @@ TEST(DecodeTwoLevelTree, MatchesFlatTree) {
         rt.reset_counters();
         const Partial two = decode(rt, q, cache, Strategy::tree);
         const ByteCounters counters = rt.counters();
-        EXPECT_EQ(data_bytes(counters),
+        EXPECT_EQ(counters.data_bytes(),
                   decode_send_bytes(Strategy::tree, cache, s_q, node_size, me))
             << dtype_name(pb.dtype) << " S_q " << s_q << ": " << counters_str(counters);
         ASSERT_EQ(two.out.numel(), ref.out.numel());

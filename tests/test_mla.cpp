@@ -750,13 +750,6 @@ TEST(MlaTransform, FoldingLeavesDecodeUnchanged) {
 
 // ---------------------------------------------------------------- 5. models
 
-// Bytes this rank sent, over every operation but validation's "control".
-uint64_t data_bytes(const ByteCounters& c) {
-  uint64_t t = 0;
-  for (const auto& [name, e] : c.ops)
-    if (name != "control") t += e.bytes;
-  return t;
-}
 std::string counters_str(const ByteCounters& c) {
   std::string s;
   for (const auto& [name, e] : c.ops)
@@ -798,7 +791,7 @@ TEST(MlaModels, DecodeSendBytesMatchCounted) {
         mla_decode(rt, par, cfg, w, last_rows(in.q_nope, sq), last_rows(in.q_pe, sq), shard, S - sq,
                    opt);
         const ByteCounters counters = rt.counters();
-        EXPECT_EQ(data_bytes(counters), mla_decode_send_bytes(cfg, par, B, sq, P))
+        EXPECT_EQ(counters.data_bytes(), mla_decode_send_bytes(cfg, par, B, sq, P))
             << mla_parallel_name(par) << " " << options_str(opt) << " S_q " << sq << " rank " << me
             << " of " << P << ": " << counters_str(counters);
       }

@@ -128,13 +128,6 @@ cpu::ReferenceResult phase1_reference(const Layout& layout, int rank, int64_t an
   return all;
 }
 
-// Bytes this rank sent, over every operation but validation's "control".
-uint64_t data_bytes(const ByteCounters& c) {
-  uint64_t t = 0;
-  for (const auto& [name, e] : c.ops)
-    if (name != "control") t += e.bytes;
-  return t;
-}
 std::string counters_str(const ByteCounters& c) {
   std::string s;
   for (const auto& [name, e] : c.ops)
@@ -430,7 +423,7 @@ TEST(StarBytes, PrefillAndDecodeMatchModels) {
         rt.reset_counters();
         star_prefill(rt, q_shard, k_shard, v_shard, spec, layout, anchor);
         const ByteCounters counters = rt.counters();
-        EXPECT_EQ(data_bytes(counters),
+        EXPECT_EQ(counters.data_bytes(),
                   star_prefill_send_bytes(layout, spec, pb.B, pb.dtype, anchor, me))
             << counters_str(counters);
         // The model over all ranks: one broadcast of the anchor's K/V (H_kv heads), when another
@@ -459,7 +452,7 @@ TEST(StarBytes, PrefillAndDecodeMatchModels) {
         rt.reset_counters();
         star_decode(rt, q, cache);
         const ByteCounters counters = rt.counters();
-        const uint64_t sent = data_bytes(counters);
+        const uint64_t sent = counters.data_bytes();
         EXPECT_EQ(sent, star_decode_send_bytes(cache, s_q, me)) << counters_str(counters);
         // The query broadcast from the query rank (storage dtype), then every other rank's fp32
         // partial (out and lse) gathered there.

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "launch/program.h"
 #include "src/attention.h"
@@ -27,6 +28,7 @@ namespace {
 namespace po = boost::program_options;
 using dattn::DType;
 using dattn::Tensor;
+using dattn::bench::mix64;
 using dattn::report::fixed;
 
 // ================================================================== options
@@ -117,13 +119,6 @@ std::optional<Options> parse_options(int argc, char** argv) {
 }
 
 // ================================================================== inputs and measurements
-
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 // A [1, S, H, D] tensor of uniform values in [-1, 1), seeded per tensor.
 Tensor random_bshd(int64_t S, int64_t H, int64_t D, DType dtype, uint64_t seed) {

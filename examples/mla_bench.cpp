@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "launch/program.h"
 #include "src/error.h"
@@ -37,6 +38,8 @@ using dattn::MlaWeights;
 using dattn::RopePlacement;
 using dattn::Tensor;
 using dattn::TplaOptions;
+using dattn::bench::mix64;
+using dattn::bench::row_key;
 
 // The weights' seed (MlaWeights::random), the same on every rank.
 constexpr uint64_t kWeightSeed = 20250601;
@@ -160,21 +163,6 @@ std::optional<Options> parse_options(int argc, char** argv) {
 // the same on every rank and for every rank count. Every value is Gaussian with std 1, except the
 // latents of the "outlier channels" kind, whose outlier channels have std 20.
 enum TensorId : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
-
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// The key of one row (one token, one head) of one tensor.
-inline uint64_t row_key(TensorId id, int64_t b, int64_t pos, int64_t h) {
-  uint64_t x = mix64(id);
-  x = mix64(x ^ uint64_t(b));
-  x = mix64(x ^ uint64_t(pos));
-  return mix64(x ^ uint64_t(h));
-}
 
 // Standard normal (Box-Muller on two 32-bit halves of one hash).
 inline float gaussian(uint64_t row, int64_t d) {

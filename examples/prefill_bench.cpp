@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "launch/program.h"
 #include "src/attention.h"
@@ -31,6 +32,10 @@ namespace po = boost::program_options;
 using dattn::DType;
 using dattn::Layout;
 using dattn::Tensor;
+using dattn::bench::input_value;
+using dattn::bench::make_shard;
+using dattn::bench::mix64;
+using dattn::bench::row_key;
 
 // ================================================================== options
 
@@ -324,55 +329,6 @@ std::vector<int64_t> sequence_lengths(const Options& o) {
 // its own shard, the values do not depend on the rank count, and the float64 check regenerates
 // any key row without holding the global tensors (S may be far larger than one rank's memory).
 enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
-
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// The key of one row (one token, one head) of one tensor.
-inline uint64_t row_key(TensorId id, int64_t b, int64_t pos, int64_t h) {
-  uint64_t x = mix64(id);
-  x = mix64(x ^ uint64_t(b));
-  x = mix64(x ^ uint64_t(pos));
-  return mix64(x ^ uint64_t(h));
-}
-
-// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype: the value the kernel reads.
-inline float input_value(uint64_t row, int64_t d, DType dtype) {
-  float x = float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f;
-  switch (dtype) {
-    case DType::f32:
-      return x;
-    case DType::bf16:
-      return dattn::to_float(dattn::to_bf16(x));
-    case DType::f16:
-      return dattn::to_float(dattn::to_f16(x));
-  }
-  return x;
-}
-
-// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
-Tensor make_shard(TensorId id, const Layout& layout, int rank, int64_t batch, int64_t heads,
-                  int64_t dim, DType dtype) {
-  const int64_t len = layout.local_len(rank);
-  Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < len; ++i) {
-      const int64_t pos = layout.global_position(rank, i);
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos, h);
-        const int64_t base = ((b * len + i) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d)
-          t.set(base + d, input_value(row, d, dtype));
-      }
-    }
-  }
-  return t;
-}
 
 // ================================================================== float64 check
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "launch/program.h"
 #include "src/attention.h"
@@ -34,6 +35,8 @@ using dattn::DType;
 using dattn::Layout;
 using dattn::Strategy;
 using dattn::Tensor;
+using dattn::bench::mix64;
+using dattn::bench::row_key;
 
 // The accuracy part runs exact attention (ring) over the whole context: above this length it
 // runs at this length instead, with the block and the anchor scaled alike.
@@ -159,21 +162,6 @@ std::optional<Options> parse_options(int argc, char** argv) {
 // default 4) plus terms of order sink / D^(1/4), so the first tokens take most of every row's
 // attention, as in trained models.
 enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
-
-inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// The key of one row (one token, one head) of one tensor.
-inline uint64_t row_key(TensorId id, int64_t b, int64_t pos, int64_t h) {
-  uint64_t x = mix64(id);
-  x = mix64(x ^ uint64_t(b));
-  x = mix64(x ^ uint64_t(pos));
-  return mix64(x ^ uint64_t(h));
-}
 
 // Uniform in [-1, 1) (24 random bits).
 inline float raw_value(uint64_t row, int64_t d) {

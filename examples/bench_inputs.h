@@ -1,0 +1,63 @@
+// Deterministic benchmark inputs: every value comes from a hash of (tensor, batch, global
+// position, head, dim), so each rank generates its own shard without the global tensor, the
+// values do not depend on the rank count, and a float64 check can regenerate any row.
+#pragma once
+
+#include <cstdint>
+
+#include "src/dtype.h"
+#include "src/layout.h"
+#include "src/tensor.h"
+
+namespace dattn::bench {
+
+inline uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The key of one row (one token, one head) of tensor `id`.
+inline uint64_t row_key(uint64_t id, int64_t b, int64_t pos, int64_t h) {
+  uint64_t x = mix64(id);
+  x = mix64(x ^ uint64_t(b));
+  x = mix64(x ^ uint64_t(pos));
+  return mix64(x ^ uint64_t(h));
+}
+
+// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype: the value the kernel reads.
+inline float input_value(uint64_t row, int64_t d, DType dtype) {
+  const float x = float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f;
+  switch (dtype) {
+    case DType::f32:
+      return x;
+    case DType::bf16:
+      return to_float(to_bf16(x));
+    case DType::f16:
+      return to_float(to_f16(x));
+  }
+  return x;
+}
+
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t batch, int64_t heads,
+                         int64_t dim, DType dtype) {
+  const int64_t len = layout.local_len(rank);
+  Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t pos = layout.global_position(rank, i);
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t row = row_key(id, b, pos, h);
+        const int64_t base = ((b * len + i) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          t.set(base + d, input_value(row, d, dtype));
+      }
+    }
+  }
+  return t;
+}
+
+}  // namespace dattn::bench

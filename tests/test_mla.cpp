@@ -22,11 +22,7 @@ namespace {
 
 using test::throws_naming;
 
-int world_size() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
+using test::world_size;
 
 // ---------------------------------------------------------------- problems
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <cstdint>
 #include <functional>
@@ -87,6 +88,18 @@ testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& ne
     return testing::AssertionFailure() << "threw a non-dattn exception: " << e.what();
   }
   return testing::AssertionFailure() << "did not throw";
+}
+
+// This process's rank and the world's size (MPI test binaries).
+inline int world_size() {
+  int p = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &p);
+  return p;
+}
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
 }
 
 }  // namespace dattn::test

@@ -21,11 +21,7 @@
 namespace dattn {
 namespace {
 
-int world_size() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
+using test::world_size;
 
 // ---------------------------------------------------------------- cases
 

@@ -28,16 +28,8 @@ namespace {
 
 using test::throws_naming;
 
-int world_size() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using test::world_rank;
+using test::world_size;
 
 // ---------------------------------------------------------------- problems
 

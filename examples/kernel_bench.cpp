@@ -18,6 +18,7 @@
 
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
+#include "examples/workloads.h"
 #include "launch/program.h"
 #include "src/attention.h"
 #include "src/error.h"
@@ -341,6 +342,8 @@ int kernel_bench(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return dattn::run_program(argc, argv, kernel_bench);
+namespace dattn::bench {
+int kernel_main(int argc, char** argv) {
+  return kernel_bench(argc, argv);
 }
+}  // namespace dattn::bench

@@ -23,6 +23,7 @@
 #include "collective/mpi_communicator.h"
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
+#include "examples/workloads.h"
 #include "launch/program.h"
 #include "src/error.h"
 #include "src/mla.h"
@@ -854,6 +855,8 @@ int mla_bench(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return dattn::run_program(argc, argv, mla_bench);
+namespace dattn::bench {
+int mla_main(int argc, char** argv) {
+  return mla_bench(argc, argv);
 }
+}  // namespace dattn::bench

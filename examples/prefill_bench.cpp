@@ -21,6 +21,7 @@
 #include "collective/mpi_communicator.h"
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
+#include "examples/workloads.h"
 #include "launch/program.h"
 #include "src/attention.h"
 #include "src/error.h"
@@ -753,23 +754,26 @@ void print_row(const Row& r) {
   std::fflush(stdout);
 }
 
-std::string row_json(const Row& r) {
-  dattn::report::JsonObject j;
-  j.add("seq", r.seq)
-      .add("local_seq", r.local_seq)
-      .add("time_ms", r.time_ms)
-      .add("tflops_per_rank", r.tflops_per_rank)
+std::string row_json(const Options& o, int ranks, const Row& r) {
+  dattn::report::ResultRow c;
+  c.workload = "prefill";
+  c.strategy = dattn::strategy_name(o.strategy);
+  c.layout = o.layout;
+  c.seq = r.seq;
+  c.ranks = ranks;
+  c.time_ms = r.time_ms;
+  c.tflops_per_rank = r.tflops_per_rank;
+  c.sent_mb_per_rank = r.sent_mb_per_rank;
+  c.model_mb_per_rank = r.model_mb_per_rank;
+  c.wrong = r.checked || r.byte_mismatch_ranks > 0 ? int64_t(r.wrong()) : -1;
+  dattn::report::JsonObject j = dattn::report::result_row(c);
+  j.add("local_seq", r.local_seq)
       .add("imbalance", r.imbalance)
-      .add("sent_mb_per_rank", r.sent_mb_per_rank)
-      .add("model_mb_per_rank", r.model_mb_per_rank)
       .add("byte_mismatch_ranks", int64_t(r.byte_mismatch_ranks));
   if (r.checked) {
-    j.add("wrong", int64_t(r.wrong()))
-        .add("checked_elements", int64_t(r.check.checked))
+    j.add("checked_elements", int64_t(r.check.checked))
         .add("max_err_out", r.check.max_err_out)
         .add("max_err_lse", r.check.max_err_lse);
-  } else {
-    j.add_raw("wrong", r.byte_mismatch_ranks > 0 ? std::to_string(r.wrong()) : "null");
   }
   return j.str();
 }
@@ -1007,7 +1011,7 @@ int prefill_bench(int argc, char** argv) {
           .add("with_nccl", bool(DATTN_WITH_NCCL));
       std::vector<std::string> jrows;
       for (const Row& r : rows)
-        jrows.push_back(row_json(r));
+        jrows.push_back(row_json(o, rt.size(), r));
       dattn::report::JsonObject top;
       top.add_raw("config", cfg.str())
           .add_raw("rows", dattn::report::json_array(jrows))
@@ -1066,6 +1070,8 @@ int prefill_bench(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return dattn::run_program(argc, argv, prefill_bench);
+namespace dattn::bench {
+int prefill_main(int argc, char** argv) {
+  return prefill_bench(argc, argv);
 }
+}  // namespace dattn::bench

@@ -194,6 +194,26 @@ std::string JsonObject::str() const {
   return out + "}";
 }
 
+JsonObject result_row(const ResultRow& r) {
+  JsonObject j;
+  j.add("workload", r.workload)
+      .add("strategy", r.strategy)
+      .add("layout", r.layout)
+      .add("seq", r.seq)
+      .add("ranks", r.ranks)
+      .add("time_ms", r.time_ms);
+  if (r.tflops_per_rank >= 0)
+    j.add("tflops_per_rank", r.tflops_per_rank);
+  else
+    j.add_raw("tflops_per_rank", "null");
+  j.add("sent_mb_per_rank", r.sent_mb_per_rank).add("model_mb_per_rank", r.model_mb_per_rank);
+  if (r.wrong >= 0)
+    j.add("wrong", r.wrong);
+  else
+    j.add_raw("wrong", "null");
+  return j;
+}
+
 void write_text_file(const std::string& path, const std::string& text) {
   std::ofstream os(path);
   if (!os) DATTN_THROW("cannot open --json file '", path, "' for writing");

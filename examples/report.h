@@ -88,6 +88,22 @@ class JsonObject {
   std::vector<std::pair<std::string, std::string>> members_;
 };
 
+// The row every workload writes into "rows" with --json, so that one plotting script
+// (launch/plot.py) reads any of them: these keys first, in this order, then the workload's own.
+struct ResultRow {
+  std::string workload;          // prefill, decode, star, mla, kernel
+  std::string strategy;          // ring, ulysses, hybrid, tree, allgather, star, head_split, ...
+  std::string layout;            // contiguous, zigzag, striped, varlen; "" where none applies
+  int64_t seq = 0;               // prefill: the global sequence length; decode: the context
+  int ranks = 0;                 // ranks of the run (cp x tp)
+  double time_ms = 0;            // prefill: one forward; decode: the mean step latency
+  double tflops_per_rank = -1;   // < 0: not reported (null)
+  double sent_mb_per_rank = 0;   // payload sent per rank per forward / step, max over ranks
+  double model_mb_per_rank = 0;  // the byte model's figure for the same
+  int64_t wrong = -1;            // elements over tolerance + byte model mismatches; < 0: null
+};
+JsonObject result_row(const ResultRow& r);
+
 // Writes text (plus a newline) to path; throws dattn::Error naming the path on failure.
 void write_text_file(const std::string& path, const std::string& text);
 

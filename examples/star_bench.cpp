@@ -21,6 +21,7 @@
 #include "examples/bench_inputs.h"
 #include "examples/bench_reference.h"
 #include "examples/report.h"
+#include "examples/workloads.h"
 #include "launch/program.h"
 #include "src/attention.h"
 #include "src/decode.h"
@@ -966,6 +967,8 @@ int star_bench(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return dattn::run_program(argc, argv, star_bench);
+namespace dattn::bench {
+int star_main(int argc, char** argv) {
+  return star_bench(argc, argv);
 }
+}  // namespace dattn::bench

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <fstream>
 
 #include "src/error.h"
 
@@ -23,6 +24,21 @@ void parse_command_line(int argc, char** argv,
   namespace po = boost::program_options;
   try {
     po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
+  } catch (const po::error& e) {
+    throw UsageError(e.what());
+  }
+  // The config file second: Boost keeps the first value stored, so the command line wins.
+  if (desc.find_nothrow("config", false) && vm.count("config")) {
+    const std::string file = vm["config"].as<std::string>();
+    std::ifstream in(file);
+    if (!in) throw UsageError("invalid --config = " + file + ": expected a readable file");
+    try {
+      po::store(po::parse_config_file(in, desc), vm);
+    } catch (const po::error& e) {
+      throw UsageError("in --config " + file + ": " + e.what());
+    }
+  }
+  try {
     po::notify(vm);
   } catch (const po::error& e) {
     throw UsageError(e.what());

@@ -18,8 +18,9 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Parses argv against desc into vm. Boost's errors (an unknown option, a bad value, a stray
-// positional word) become a UsageError.
+// Parses argv against desc into vm, then the file of --config (when desc has that option and it
+// was given) against the same desc: the command line wins over the file. Boost's errors (an
+// unknown option or key, a bad value, a stray positional word) become a UsageError.
 void parse_command_line(int argc, char** argv,
                         const boost::program_options::options_description& desc,
                         boost::program_options::variables_map& vm);

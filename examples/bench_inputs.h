@@ -40,9 +40,10 @@ inline float input_value(uint64_t row, int64_t d, DType dtype) {
   return x;
 }
 
-// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`: the heads
+// head0 .. head0 + heads - 1 of the global tensor (a tensor-parallel rank's slice).
 inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t batch, int64_t heads,
-                         int64_t dim, DType dtype) {
+                         int64_t dim, DType dtype, int64_t head0 = 0) {
   const int64_t len = layout.local_len(rank);
   Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -50,7 +51,7 @@ inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t ba
     for (int64_t i = 0; i < len; ++i) {
       const int64_t pos = layout.global_position(rank, i);
       for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos, h);
+        const uint64_t row = row_key(id, b, pos, head0 + h);
         const int64_t base = ((b * len + i) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
           t.set(base + d, input_value(row, d, dtype));

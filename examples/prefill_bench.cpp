@@ -15,6 +15,7 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,9 @@
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
+#include "launch/options.h"
 #include "launch/program.h"
+#include "launch/progress.h"
 #include "src/attention.h"
 #include "src/error.h"
 #include "src/models.h"
@@ -71,7 +74,12 @@ struct Options {
   bool scaling = false;
   bool compare_layouts = false;
   bool compare_unmasked = false;
+  dattn::LaunchOptions launch;  // --cp, --tp, --device, --dry-run, --config
 
+  int cp() const { return launch.cp; }
+  int tp() const { return launch.tp; }
+  int64_t local_heads() const { return heads / launch.tp; }  // query heads of one tp rank
+  int64_t local_kv_heads() const { return kv_heads / launch.tp; }
   bool has_documents() const { return !doc_lens.empty() || doc_count > 0; }
 };
 
@@ -79,12 +87,6 @@ int world_rank() {
   int rank = 0;
   DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   return rank;
-}
-
-int world_size() {
-  int size = 0;
-  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return size;
 }
 
 // A whole decimal integer, or nullopt.
@@ -174,6 +176,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
+  dattn::add_launch_options(desc, o.launch);
   po::variables_map vm;
   dattn::parse_command_line(argc, argv, desc, vm);
   if (help || version) {
@@ -186,11 +189,14 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
+  dattn::resolve_launch_options(o.launch, 1);
   if (!vm.count("seq-end")) o.seq_end = o.seq_begin;
   require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
   require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
   require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
                  cat(">= 1 and dividing --heads (", o.heads, ")"));
+  require_option(o.kv_heads % o.tp() == 0, "--kv-heads", o.kv_heads,
+                 cat("divisible by --tp (", o.tp(), "): tensor parallelism splits the heads"));
   require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
   require_option(o.seq_begin >= 1, "--seq-begin", o.seq_begin, ">= 1");
   require_option(o.seq_end >= o.seq_begin, "--seq-end", o.seq_end, ">= --seq-begin");
@@ -206,13 +212,15 @@ std::optional<Options> parse_options(int argc, char** argv) {
     require_option(false, "--dtype", o.dtype_name, "fp32, bf16 or fp16");
   }
 
-  // Strategy and Ulysses degree (the cp ranks are all ranks: tp is 1 here).
+  // Strategy and Ulysses degree, over the cp ranks of one tp slice (its heads).
   try {
     o.strategy = dattn::parse_strategy(o.strategy_name);
   } catch (const dattn::Error&) {
     require_option(false, "--strategy", o.strategy_name, "ring, ulysses or hybrid");
   }
-  const int P = world_size();
+  const int P = o.cp();
+  const int64_t G = o.local_kv_heads();
+  const char* kv_what = o.tp() > 1 ? "--kv-heads / --tp" : "--kv-heads";
   const bool u_given = !vm["ulysses-degree"].defaulted();
   require_option(o.ulysses >= 1, "--ulysses-degree", o.ulysses, ">= 1");
   switch (o.strategy) {
@@ -225,13 +233,13 @@ std::optional<Options> parse_options(int argc, char** argv) {
       require_option(!u_given || o.ulysses == P, "--ulysses-degree", o.ulysses,
                      cat("the number of ranks (", P, ") with --strategy ulysses, or no -u"));
       o.ulysses = P;
-      require_option(o.kv_heads % P == 0, "--kv-heads", o.kv_heads,
-                     cat("divisible by the number of ranks (", P, ") with --strategy ulysses"));
+      require_option(G % P == 0, kv_what, G,
+                     cat("divisible by the cp ranks (", P, ") with --strategy ulysses"));
       break;
     case dattn::Strategy::hybrid:
       require_option(P % o.ulysses == 0, "--ulysses-degree", o.ulysses,
-                     cat("a divisor of the number of ranks (", P, ")"));
-      require_option(o.kv_heads % o.ulysses == 0, "--kv-heads", o.kv_heads,
+                     cat("a divisor of the cp ranks (", P, ")"));
+      require_option(G % o.ulysses == 0, kv_what, G,
                      cat("divisible by --ulysses-degree (", o.ulysses, ") with --strategy hybrid"));
       break;
     case dattn::Strategy::tree:
@@ -311,6 +319,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
                  "given only with --mask document or --layout varlen");
   require_option(!o.compare_unmasked || o.mask != "none", "--compare-unmasked", "on",
                  "a mask other than none");
+  require_option(!o.scaling || o.tp() == 1, "--scaling", "on", "--tp 1 (it times one rank alone)");
   return o;
 }
 
@@ -365,8 +374,10 @@ std::vector<int64_t> sample_rows(int64_t len) {
 // Compares the sampled rows of this rank's result with an exact float64 attention of those rows
 // against ALL global keys, regenerated chunk by chunk (O(rows * S * H * D) work, O(chunk) memory).
 // Online softmax in float64 over key chunks; the mask is evaluated on global positions.
+// tp_rank selects the heads (spec holds one tp rank's heads).
 CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, int rank,
-                              const dattn::AttnSpec& spec, int64_t batch, DType dtype) {
+                              int tp_rank, const dattn::AttnSpec& spec, int64_t batch,
+                              DType dtype) {
   const int64_t len = layout.local_len(rank), S = layout.global_seq();
   const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
   const int64_t group = H / G;
@@ -398,7 +409,7 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
         acc(size_t(R * H * Dv), 0.0);
     for (int64_t j = 0; j < R; ++j)
       for (int64_t h = 0; h < H; ++h) {
-        const uint64_t row = row_key(kQ, b, pos[size_t(j)], h);
+        const uint64_t row = row_key(kQ, b, pos[size_t(j)], tp_rank * H + h);
         for (int64_t d = 0; d < D; ++d)
           qv[size_t((j * H + h) * D + d)] = input_value(row, d, dtype);
       }
@@ -408,7 +419,8 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
 #pragma omp parallel for schedule(static)
       for (int64_t c = 0; c < kn; ++c)
         for (int64_t g = 0; g < G; ++g) {
-          const uint64_t krow = row_key(kK, b, k0 + c, g), vrow = row_key(kV, b, k0 + c, g);
+          const uint64_t krow = row_key(kK, b, k0 + c, tp_rank * G + g),
+                         vrow = row_key(kV, b, k0 + c, tp_rank * G + g);
           for (int64_t d = 0; d < D; ++d)
             kc[size_t((c * G + g) * D + d)] = input_value(krow, d, dtype);
           for (int64_t d = 0; d < Dv; ++d)
@@ -519,8 +531,8 @@ struct Problem {
 Problem make_problem(const Options& o, int64_t S, int P, const std::string& layout,
                      const std::string& mask, int64_t stripe_block) {
   Problem p;
-  p.spec.heads_q = o.heads;
-  p.spec.heads_kv = o.kv_heads;
+  p.spec.heads_q = o.local_heads();
+  p.spec.heads_kv = o.local_kv_heads();
   p.spec.head_dim = o.head_dim;
   std::vector<int64_t> cu;
   if (o.has_documents()) cu = cu_seqlens_for(o, S);
@@ -596,7 +608,8 @@ uint64_t allreduce_u64(dattn::Runtime& rt, uint64_t v, dattn::ReduceOp op) {
 }
 
 // Runs one problem: generate the shard, warm up, time, count bytes, check.
-Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p) {
+// `what` names the run in progress lines.
+Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p, const std::string& what) {
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout& layout = p.layout;
   const dattn::AttnSpec& spec = p.spec;
@@ -606,13 +619,19 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p) {
   row.local_seq = layout.max_local_len();
   if (rt.rank() == 0) row.imbalance = model_imbalance(o, p);
 
-  const Tensor q = make_shard(kQ, layout, r, o.batch, spec.heads_q, spec.head_dim, o.dtype);
-  const Tensor k = make_shard(kK, layout, r, o.batch, spec.heads_kv, spec.head_dim, o.dtype);
-  const Tensor v = make_shard(kV, layout, r, o.batch, spec.heads_kv, spec.dim_v(), o.dtype);
+  // This tp rank's heads of the global tensors.
+  const int t = rt.tp_rank();
+  const int64_t hq0 = t * spec.heads_q, hk0 = t * spec.heads_kv;
+  const Tensor q = make_shard(kQ, layout, r, o.batch, spec.heads_q, spec.head_dim, o.dtype, hq0);
+  const Tensor k = make_shard(kK, layout, r, o.batch, spec.heads_kv, spec.head_dim, o.dtype, hk0);
+  const Tensor v = make_shard(kV, layout, r, o.batch, spec.heads_kv, spec.dim_v(), o.dtype, hk0);
 
+  dattn::Progress progress(rt.rank() == 0, what, o.warmup + o.iters);
   dattn::Partial res;
-  for (int w = 0; w < o.warmup; ++w)
+  for (int w = 0; w < o.warmup; ++w) {
     res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+    progress.step();
+  }
   rt.reset_counters();
   double seconds = 0;
   for (int it = 0; it < o.iters; ++it) {
@@ -620,6 +639,7 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p) {
     const double t0 = MPI_Wtime();
     res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
     seconds += MPI_Wtime() - t0;
+    progress.step();
   }
   const double mean_s = allreduce_max(seconds / o.iters);
   row.time_ms = mean_s * 1e3;
@@ -637,7 +657,7 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p) {
   row.byte_mismatch_ranks = allreduce_u64(rt, mismatch ? 1 : 0, dattn::ReduceOp::sum);
 
   if (o.check) {
-    CheckStats c = check_sampled_rows(res, layout, r, spec, o.batch, o.dtype);
+    CheckStats c = check_sampled_rows(res, layout, r, t, spec, o.batch, o.dtype);
     row.checked = true;
     row.check.checked = allreduce_u64(rt, c.checked, dattn::ReduceOp::sum);
     row.check.wrong = allreduce_u64(rt, c.wrong, dattn::ReduceOp::sum);
@@ -808,6 +828,111 @@ struct Comparison {
   double ratio() const { return b_ms / a_ms; }
 };
 
+// ================================================================== dry run
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::ostringstream out;
+  for (size_t i = 0; i < items.size(); ++i)
+    out << (i ? sep : "") << items[i];
+  return out.str();
+}
+
+// A run's global positions: "0-1023" for a contiguous run, "5-4093/4" for every 4th position,
+// "16-31/64x16" for blocks of 16 every 64.
+std::string run_desc(const dattn::Run& run) {
+  using dattn::detail::cat;
+  const std::string range = cat(run.global_begin, "-", run.last_position());
+  if (run.length <= run.block || run.stride == run.block) return range;
+  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
+}
+
+// --dry-run: the plan of every rank for the largest length (tokens, heads, device, FLOP and byte
+// model) and a summary line per length; nothing is computed. Printed by rank 0 only; needs no
+// Runtime, so --world-size can plan for more ranks than the job has.
+void print_plan(const Options& o) {
+  using dattn::detail::cat;
+  const double start = MPI_Wtime();
+  const auto range = [](int64_t first, int64_t n) {
+    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
+  };
+  using dattn::report::fixed;
+  const int W = o.launch.world, P = o.cp(), T = o.tp();
+  const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads();
+  const std::vector<int64_t> seqs = sequence_lengths(o);
+  std::printf("# dattn prefill plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
+  std::printf(
+      "# world %d ranks = cp %d x tp %d (tp is the fastest rank index); strategy %s U %d; "
+      "layout %s; dtype %s; batch %lld heads %lld kv-heads %lld head-dim %lld\n",
+      W, P, T, dattn::strategy_name(o.strategy), o.ulysses, layout_desc(o).c_str(),
+      dattn::dtype_name(o.dtype), static_cast<long long>(o.batch), static_cast<long long>(o.heads),
+      static_cast<long long>(o.kv_heads), static_cast<long long>(o.head_dim));
+  std::printf(
+      "# communicators: %d cp group(s) of %d ranks (cp group t: world ranks t, t+%d, ...); "
+      "%d tp group(s) of %d consecutive ranks%s\n",
+      T, P, T, P, T,
+      o.ulysses > 1 ? cat("; hybrid: ", P / o.ulysses, " Ulysses group(s) of ", o.ulysses,
+                          " consecutive cp ranks, ", o.ulysses, " ring group(s) of ", P / o.ulysses,
+                          " cp ranks")
+                          .c_str()
+                    : "");
+  std::printf(
+      "# device: %s\n",
+      o.launch.device == "cpu"
+          ? "cpu on every rank"
+          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
+                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
+                .c_str());
+  for (int64_t S : seqs) {
+    const Problem p = make_problem(o, S, P);
+    double sum = 0, max = 0;
+    uint64_t max_bytes = 0;
+    for (int c = 0; c < P; ++c) {
+      const double f =
+          dattn::attention_rank_flops(o.strategy, p.layout, p.spec, o.batch, o.ulysses, c);
+      sum += f;
+      max = std::max(max, f);
+      max_bytes = std::max(max_bytes, dattn::attention_send_bytes(o.strategy, p.layout, p.spec,
+                                                                  o.batch, o.dtype, o.ulysses, c));
+    }
+    std::printf(
+        "# seq %lld, %s: %.3f TFLOP in all (model, tiles computed), per rank max %.3f "
+        "GFLOP, imbalance %.3f, sent per rank max %.3f MB per forward\n",
+        static_cast<long long>(S), p.spec.mask.str().c_str(), sum * T / 1e12, max / 1e9,
+        sum > 0 ? max / (sum / P) : 1.0, double(max_bytes) / 1e6);
+  }
+  const int64_t S = seqs.back();
+  const Problem p = make_problem(o, S, P);
+  const dattn::report::Table t({{"rank", "", 6},
+                                {"cp", "", 5},
+                                {"tp", "", 4},
+                                {"tokens", "(local)", 9},
+                                {"q_heads", "", 9},
+                                {"kv_heads", "", 9},
+                                {"GFLOP", "(model)", 11},
+                                {"send", "(MB)", 10},
+                                {"global positions", "(runs)", 0}});
+  std::printf("# per rank, seq %lld:\n", static_cast<long long>(S));
+  t.print_heading(stdout);
+  for (int c = 0; c < P; ++c) {
+    const double f =
+        dattn::attention_rank_flops(o.strategy, p.layout, p.spec, o.batch, o.ulysses, c) / 1e9;
+    const double mb = double(dattn::attention_send_bytes(o.strategy, p.layout, p.spec, o.batch,
+                                                         o.dtype, o.ulysses, c)) /
+                      1e6;
+    std::vector<std::string> descs;
+    for (const dattn::Run& run : p.layout.runs(c))
+      descs.push_back(run_desc(run));
+    const std::string runs = join(descs, " ");
+    for (int tp = 0; tp < T; ++tp) {
+      t.print_row(stdout, {std::to_string(c * T + tp), std::to_string(c), std::to_string(tp),
+                           std::to_string(p.layout.local_len(c)), range(tp * Hl, Hl),
+                           range(tp * Gl, Gl), fixed(f, 3), fixed(mb, 3), runs});
+    }
+  }
+  std::printf("# planned %d ranks in %.3f s\n", W, MPI_Wtime() - start);
+  std::fflush(stdout);
+}
+
 // ================================================================== main
 
 int prefill_bench(int argc, char** argv) {
@@ -815,8 +940,15 @@ int prefill_bench(int argc, char** argv) {
   if (!parsed) return 0;
   const Options& o = *parsed;
   using dattn::detail::cat;
+  if (o.launch.dry_run) {
+    if (world_rank() == 0) print_plan(o);
+    return 0;
+  }
 
   dattn::RuntimeOptions ropts;
+  ropts.cp = o.cp();
+  ropts.tp = o.tp();
+  ropts.device = o.launch.dev;
   ropts.threads = o.threads;
   ropts.ulysses = o.strategy == dattn::Strategy::hybrid ? o.ulysses : 1;
   dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
@@ -827,11 +959,12 @@ int prefill_bench(int argc, char** argv) {
   const Problem first = make_problem(o, seqs.front(), P);
 
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
-  const std::string config = cat(
-      "ranks ", rt.size(), " threads/rank ", T, " strategy ", dattn::strategy_name(o.strategy),
-      " U ", o.ulysses, " layout ", layout_desc(o), " mask ", first.spec.mask.str(), " dtype ",
-      dattn::dtype_name(o.dtype), " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads,
-      " head-dim ", o.head_dim, " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
+  const std::string config =
+      cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ", T,
+          " strategy ", dattn::strategy_name(o.strategy), " U ", o.ulysses, " layout ",
+          layout_desc(o), " mask ", first.spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype),
+          " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ",
+          o.head_dim, " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
   if (root) {
     dattn::report::print_header(stdout, "dattn prefill benchmark", {config}, ranks);
     if (o.strategy == dattn::Strategy::ulysses)
@@ -849,7 +982,7 @@ int prefill_bench(int argc, char** argv) {
                    static_cast<long long>(S), gflop_rank);
       std::fflush(stdout);
     }
-    rows.push_back(run_size(rt, o, p));
+    rows.push_back(run_size(rt, o, p, cat("prefill seq ", S)));
     if (root) print_row(rows.back());
   }
 
@@ -865,8 +998,10 @@ int prefill_bench(int argc, char** argv) {
                   static_cast<long long>(S_max));
       std::fflush(stdout);
     }
-    const Row a = run_size(rt, o, make_problem(o, S_max, P, "contiguous", o.mask, 1));
-    const Row b = run_size(rt, o, make_problem(o, S_max, P, "zigzag", o.mask, 1));
+    const Row a = run_size(rt, o, make_problem(o, S_max, P, "contiguous", o.mask, 1),
+                           "compare-layouts contiguous");
+    const Row b =
+        run_size(rt, o, make_problem(o, S_max, P, "zigzag", o.mask, 1), "compare-layouts zigzag");
     c.a_ms = a.time_ms;
     c.b_ms = b.time_ms;
     c.wrong = a.wrong() + b.wrong();
@@ -883,7 +1018,8 @@ int prefill_bench(int argc, char** argv) {
                   static_cast<long long>(S_max));
       std::fflush(stdout);
     }
-    const Row a = run_size(rt, o, make_problem(o, S_max, P, o.layout, "none", o.stripe_block));
+    const Row a = run_size(rt, o, make_problem(o, S_max, P, o.layout, "none", o.stripe_block),
+                           "compare-unmasked");
     c.a_ms = a.time_ms;
     c.b_ms = rows.back().time_ms;  // the table's row of the largest length
     c.wrong = a.wrong();

@@ -35,6 +35,7 @@ class Runtime {
   int cp_rank() const { return cp_->rank(); }
   int cp_size() const { return cp_->size(); }
   int tp_size() const { return tp_; }
+  int tp_rank() const { return rank() % tp_; }  // which slice of the heads this rank holds
   int ulysses_degree() const { return ulysses_; }
   Communicator& world() { return *world_; }
   Communicator& cp() { return *cp_; }

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The launcher's contract, end to end under mpiexec: dattn-run runs every workload; --help and
+# --version answer; a bad option or an impossible plan prints one error (not one per rank) and
+# every rank exits non-zero without hanging; --config takes the command line's keys and loses to
+# it; --dry-run plans 1024 ranks without computing; --tp splits heads and stays correct (#wrong 0
+# against float64); --json rows carry the common keys.
+#   bash tests/launch/run_test.sh REPO BIN_DIR
+set -euo pipefail
+repo=${1:?REPO}
+bin=${2:?BIN_DIR}
+run=$bin/dattn-run
+work=$(mktemp -d "${TMPDIR:-/tmp}/dattn-run-test.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+failures=0
+checks=0
+
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+pass() { echo "ok: $*"; }
+mpi() { # mpi NP ARGS...: dattn-run under mpiexec, 60 s at most (a hang fails the check)
+  local np=$1; shift
+  timeout 60 bash "$repo/launch/mpirun.sh" -n "$np" "$run" "$@"
+}
+
+# expect_error NAME NP MESSAGE ARGS...: exits non-zero, and MESSAGE is printed exactly once.
+expect_error() {
+  local name=$1 np=$2 msg=$3; shift 3
+  checks=$((checks + 1))
+  local rc=0
+  mpi "$np" "$@" >"$work/out" 2>&1 || rc=$?
+  local n
+  n=$(grep -cF -- "$msg" "$work/out" || true)
+  if ((rc == 0)); then
+    fail "$name: exit 0, expected an error"
+  elif ((rc == 124)); then
+    fail "$name: hung (timeout)"
+  elif [[ $n != 1 ]]; then
+    fail "$name: '$msg' printed $n times (expected once); output:"; sed 's/^/    /' "$work/out"
+  else
+    pass "$name (rc $rc, one message)"
+  fi
+}
+
+# expect_ok NAME NP ARGS...: exits 0; output kept in $work/out.
+expect_ok() {
+  local name=$1 np=$2; shift 2
+  checks=$((checks + 1))
+  if mpi "$np" "$@" >"$work/out" 2>&1; then
+    pass "$name"
+    return 0
+  fi
+  fail "$name: non-zero exit; output:"; sed 's/^/    /' "$work/out"
+  return 1
+}
+
+# data_rows FILE: the table rows (lines starting with a space).
+data_rows() { grep '^ ' "$1" || true; }
+
+# wrong_is_zero NAME FILE: every data row's last column (#wrong) is 0 and there is at least one.
+wrong_is_zero() {
+  checks=$((checks + 1))
+  local rows bad
+  rows=$(data_rows "$2" | wc -l)
+  bad=$(data_rows "$2" | awk '$NF != "0"' | wc -l)
+  if ((rows > 0 && bad == 0)); then pass "$1: $rows rows, #wrong 0"; else
+    fail "$1: $rows rows, $bad with #wrong != 0"; sed 's/^/    /' "$2"; fi
+}
+
+# ---------------------------------------------------------------- help, version, workloads
+checks=$((checks + 1))
+if "$run" --help | grep -q '^  prefill' && "$run" --version | grep -q '^dattn-run '; then
+  pass "--help lists the workloads, --version answers"
+else fail "--help / --version"; fi
+for w in prefill decode star mla kernel; do
+  checks=$((checks + 1))
+  if "$run" "$w" --help | grep -q -- '--dry-run'; then pass "$w --help shows the launch options"
+  else fail "$w --help lacks the launch options"; fi
+done
+
+# ---------------------------------------------------------------- errors: once, every rank exits
+expect_error "unknown workload" 3 "invalid WORKLOAD = bogus" bogus
+expect_error "missing workload" 2 "missing WORKLOAD" 
+expect_error "cp x tp not the world" 4 "invalid --cp x --tp = 1 x 3" prefill --tp 3
+expect_error "cp x tp not the world (cp given)" 3 "invalid --cp x --tp = 2 x 1" prefill --cp 2
+expect_error "heads not divisible by tp" 4 "invalid --kv-heads = 2: expected divisible by --tp (4)" \
+  prefill --tp 4
+expect_error "unknown layout" 3 "invalid --layout = diagonal" prefill -l diagonal
+expect_error "layout the strategy cannot use" 2 "invalid --layout = varlen" prefill -l varlen
+expect_error "ulysses heads per tp slice" 4 "invalid --kv-heads / --tp = 1" \
+  prefill --tp 2 -a ulysses
+expect_error "world-size without dry-run" 2 "invalid --world-size = 8" prefill --world-size 8
+expect_error "unknown device" 2 "invalid --device = tpu" prefill --device tpu
+expect_error "unknown option" 2 "unrecognised option '--bogus'" decode --bogus 1
+expect_error "missing config file" 2 "invalid --config = $work/none.cfg" prefill --config "$work/none.cfg"
+printf 'seq-begin = 1024\nnot-an-option = 1\n' >"$work/bad.cfg"
+expect_error "unknown config key" 2 "unrecognised option 'not-an-option'" prefill --config "$work/bad.cfg"
+
+# ---------------------------------------------------------------- dry run
+if expect_ok "dry run, 1024 simulated ranks" 1 prefill --dry-run --world-size 1024 --tp 4 \
+     -H 32 -G 8 -l zigzag -s 65536 -e 1048576 -f 4; then
+  checks=$((checks + 1))
+  rows=$(data_rows "$work/out" | wc -l)
+  if ((rows == 1024)) && grep -q '^# planned 1024 ranks in' "$work/out"; then
+    pass "plan has 1024 rank rows: $(grep '^# planned' "$work/out")"
+  else fail "plan has $rows rank rows"; fi
+fi
+# The plan shows what each rank holds: rank 5 of cp 4 x tp 2 is cp 2, tp 1, heads 4-7.
+if expect_ok "dry run, cp 4 x tp 2" 1 prefill --dry-run --world-size 8 --tp 2 -l zigzag -s 4096; then
+  checks=$((checks + 1))
+  if data_rows "$work/out" | awk '$1 == 5 && $2 == 2 && $3 == 1 && $5 == "4-7" &&
+       $NF == "2560-3071" && $(NF-1) == "1024-1535"' | grep -q .; then
+    pass "rank 5: cp 2, tp 1, heads 4-7, tokens 1024-1535 2560-3071"
+  else fail "rank 5's plan row"; sed 's/^/    /' "$work/out"; fi
+fi
+
+# ---------------------------------------------------------------- config file
+printf '# prefill on 4 ranks\nseq-begin = 4096\nlayout = zigzag\ntp = 2\niters = 1\nwarmup = 0\ncheck = 1\n' \
+  >"$work/run.cfg"
+if expect_ok "config file, command line wins (-s 512)" 4 prefill --config "$work/run.cfg" -s 512; then
+  checks=$((checks + 1))
+  if grep -q 'cp 2 x tp 2' "$work/out" && grep -q 'layout zigzag' "$work/out" &&
+     [[ $(data_rows "$work/out" | awk '{print $1}') == 512 ]]; then
+    pass "config applied (zigzag, tp 2) and -s 512 won over seq-begin = 4096"
+  else fail "config not applied as expected"; sed 's/^/    /' "$work/out"; fi
+  wrong_is_zero "config run" "$work/out"
+fi
+
+# ---------------------------------------------------------------- real runs, every workload
+for np in 1 3; do
+  expect_ok "prefill on $np ranks, checked" "$np" prefill -s 300 -e 600 -n 1 -w 0 -k 1 \
+    -l zigzag -J "$work/prefill$np.json" && wrong_is_zero "prefill np$np" "$work/out"
+done
+expect_ok "prefill cp 2 x tp 2, checked" 4 prefill --tp 2 -s 512 -n 1 -w 0 -k 1 -a hybrid -u 2 \
+  -G 4 && wrong_is_zero "prefill tp 2" "$work/out"
+checks=$((checks + 1))
+if /usr/bin/python3 - "$work/prefill3.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+keys = ["workload", "strategy", "layout", "seq", "ranks", "time_ms", "tflops_per_rank",
+        "sent_mb_per_rank", "model_mb_per_rank", "wrong"]
+assert len(rows) == 2, rows
+for r in rows:
+    assert list(r)[:len(keys)] == keys, list(r)
+    assert r["workload"] == "prefill" and r["ranks"] == 3 and r["wrong"] == 0, r
+PY
+then pass "JSON rows carry the common keys"; else fail "JSON rows"; fi
+
+if ((failures > 0)); then
+  echo "dattn-run test: $failures of $checks checks FAILED"
+  exit 1
+fi
+echo "dattn-run test: all $checks checks passed"

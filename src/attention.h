@@ -40,4 +40,27 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0 = 0, int64_t k_pos0 = 0);
 
+// ------------------------------------------------------------------ backward
+
+// The gradients of one attention call with respect to its inputs, this rank's shards, fp32
+// whatever the storage dtype: dq like q [B, S_local, H_q, D], dk like k, dv like v. For GQA, dk
+// and dv sum over the query heads of each group.
+struct Gradients {
+  Tensor dq, dk, dv;
+};
+
+// Distributed attention backward. Collective over rt.cp(), with the arguments of the attention()
+// call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out
+// ([B, S_local, H_q, D_v], any storage dtype). Probabilities are recomputed blockwise from lse;
+// nothing of size S x S is stored. Gradients accumulate in fp32 in a fixed order, so repeated
+// calls give bit-identical results.
+Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
+                             const Layout& layout, Strategy strategy = Strategy::ring);
+
+// The backward of attention_local: one process, whole tensors, the same positions.
+Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
+                                   int64_t q_pos0 = 0, int64_t k_pos0 = 0);
+
 }  // namespace dattn

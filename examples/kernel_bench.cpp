@@ -16,10 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "collective/mpi_communicator.h"
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
+#include "launch/options.h"
 #include "launch/program.h"
+#include "launch/progress.h"
 #include "src/attention.h"
 #include "src/error.h"
 #include "src/models.h"
@@ -47,7 +50,21 @@ struct Options {
   std::string rss_seqs_text = "16384,65536";
   std::vector<int64_t> rss_seqs;
   std::string json;
+  // --config, --dry-run (and --cp, --tp, --device, which must say one CPU process).
+  dattn::LaunchOptions launch;
 };
+
+int world_rank() {
+  int rank = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+int world_size() {
+  int size = 1;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  return size;
+}
 
 // "16384,65536" -> {16384, 65536}, sorted ascending (the peak RSS is a high-water mark).
 std::vector<int64_t> parse_seq_list(const std::string& text) {
@@ -97,11 +114,30 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
+  dattn::add_launch_options(desc, o.launch);
   po::variables_map vm;
   dattn::parse_command_line(argc, argv, desc, vm);
   if (help) std::cout << desc << "\n";
   if (version) std::cout << "dattn-kernel-bench " << DATTN_VERSION << "\n";
   if (help || version) return std::nullopt;
+
+  // One CPU process: the grid is cp 1 x tp 1 and the plan is for one rank. The ranks of a
+  // several-rank job each run the whole benchmark alone, as before (nothing is shared).
+  using dattn::detail::cat;
+  const std::string why = "the kernel benchmark runs in one process";
+  dattn::require_option(o.launch.cp == 0 || o.launch.cp == 1, "--cp", o.launch.cp, cat("1: ", why));
+  dattn::require_option(o.launch.tp == 0 || o.launch.tp == 1, "--tp", o.launch.tp, cat("1: ", why));
+  dattn::require_option(o.launch.world_size <= 1, "--world-size", o.launch.world_size,
+                        cat("1: ", why, " (each rank of a job runs it alone)"));
+  dattn::require_option(o.launch.device == "cpu", "--device", o.launch.device,
+                        "cpu: the kernel benchmark times the CPU kernel against the BLAS's sgemm");
+  // resolve_launch_options checks the rest (--device-id, --world-size without --dry-run) on
+  // the job's grid, where every rank is a cp rank; this benchmark's own grid is 1 x 1.
+  dattn::LaunchOptions job = o.launch;
+  job.cp = job.tp = 0;
+  dattn::resolve_launch_options(job, 1);
+  o.launch.cp = o.launch.tp = o.launch.world = 1;
+  o.launch.dev = job.dev;
 
   dattn::require_option(o.threads >= 1, "--threads", o.threads, ">= 1");
   dattn::require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
@@ -117,6 +153,40 @@ std::optional<Options> parse_options(int argc, char** argv) {
   }
   o.rss_seqs = parse_seq_list(o.rss_seqs_text);
   return o;
+}
+
+// ================================================================== problems
+
+// The kernel run's attention: H heads (heads_kv = heads), head_dim D, causal or not.
+dattn::AttnSpec kernel_spec(const Options& o) {
+  dattn::AttnSpec spec;
+  spec.heads_q = spec.heads_kv = o.heads;
+  spec.head_dim = o.head_dim;
+  spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
+  spec.validate();
+  return spec;
+}
+
+// The peak-RSS runs' attention: one head, causal.
+dattn::AttnSpec rss_spec(const Options& o) {
+  dattn::AttnSpec spec;
+  spec.heads_q = spec.heads_kv = 1;
+  spec.head_dim = o.head_dim;
+  spec.mask = dattn::Mask::causal();
+  return spec;
+}
+
+std::string gemm_problem(const Options& o) {
+  return dattn::detail::cat(o.gemm_n, "x", o.gemm_n, "x", o.gemm_n, " fp32");
+}
+
+double gemm_flops(int64_t n) {
+  return 2.0 * double(n) * double(n) * double(n);
+}
+
+std::string attn_problem(const dattn::AttnSpec& spec, int64_t S, DType dtype) {
+  return dattn::detail::cat("B=1 H=", spec.heads_q, " S=", S, " D=", spec.head_dim, " ",
+                            dattn::dtype_name(dtype), " ", spec.mask.str());
 }
 
 // ================================================================== inputs and measurements
@@ -152,6 +222,7 @@ struct Timing {
 // Square sgemm on T BLAS threads, best of iters. The kernel wants BLAS single-threaded (it
 // runs BLAS inside its own OpenMP threads), so the thread count is put back to 1 afterwards.
 Timing time_sgemm(int64_t n, int threads, int iters) {
+  dattn::Progress progress(world_rank() == 0, dattn::detail::cat("kernel sgemm n=", n), iters);
   std::vector<float> a(size_t(n * n)), b(size_t(n * n)), c(size_t(n * n));
   for (size_t i = 0; i < a.size(); ++i) {
     a[i] = float(mix64(i) >> 40) * 0x1p-23f - 1.0f;
@@ -164,6 +235,7 @@ Timing time_sgemm(int64_t n, int threads, int iters) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(n), int(n), 1.0f, a.data(),
                 int(n), b.data(), int(n), 0.0f, c.data(), int(n));
     best = std::min(best, MPI_Wtime() - t0);
+    progress.step();
   }
   openblas_set_num_threads(1);
   return {best * 1e3, 2.0 * double(n) * double(n) * double(n) / best / 1e9};
@@ -174,11 +246,14 @@ Timing time_attention(const Options& o, const dattn::AttnSpec& spec) {
   const Tensor q = random_bshd(o.seq, spec.heads_q, spec.head_dim, o.dtype, 1);
   const Tensor k = random_bshd(o.seq, spec.heads_kv, spec.head_dim, o.dtype, 2);
   const Tensor v = random_bshd(o.seq, spec.heads_kv, spec.dim_v(), o.dtype, 3);
+  dattn::Progress progress(world_rank() == 0, dattn::detail::cat("kernel attention seq=", o.seq),
+                           o.iters);
   double best = 1e300;
   for (int it = 0; it < o.iters; ++it) {
     const double t0 = MPI_Wtime();
     (void)dattn::attention_local(q, k, v, spec);
     best = std::min(best, MPI_Wtime() - t0);
+    progress.step();
   }
   return {best * 1e3, dattn::attention_flops(1, o.seq, o.seq, spec) / best / 1e9};
 }
@@ -192,10 +267,7 @@ struct RssRow {
 // q, k, v, out and lse for that S.
 std::vector<RssRow> measure_rss(const Options& o) {
   std::vector<RssRow> rows;
-  dattn::AttnSpec spec;
-  spec.heads_q = spec.heads_kv = 1;
-  spec.head_dim = o.head_dim;
-  spec.mask = dattn::Mask::causal();
+  const dattn::AttnSpec spec = rss_spec(o);
   for (int64_t S : o.rss_seqs) {
     progress("peak-RSS run seq=" + std::to_string(S), dattn::attention_flops(1, S, S, spec) / 1e9);
     RssRow r;
@@ -217,19 +289,69 @@ std::vector<RssRow> measure_rss(const Options& o) {
   return rows;
 }
 
+// ================================================================== dry run
+
+// --dry-run: what would be timed, in the order it runs (the peak-RSS runs first, as ru_maxrss is
+// a high-water mark), with each problem's shape, FLOP and input bytes; nothing is computed or
+// allocated. Printed by rank 0 only.
+void print_plan(const Options& o) {
+  using dattn::detail::cat;
+  const double start = MPI_Wtime();
+  const dattn::AttnSpec spec = kernel_spec(o), rss = rss_spec(o);
+  const int job = world_size();
+  const double es = double(dattn::dtype_size(o.dtype));
+  const auto mib = [](double bytes) { return fixed(bytes / (1024.0 * 1024.0), 1); };
+  std::printf("# dattn kernel plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
+  std::printf(
+      "# one process: world 1 rank = cp 1 x tp 1, device cpu, OpenMP threads %d (the sgemm: BLAS "
+      "threads %d)%s\n",
+      o.threads, o.threads,
+      job > 1 ? cat("; each of the job's ", job, " ranks would run it alone").c_str() : "");
+  const dattn::report::Table t({{"section", "", 10},
+                                {"problem", "", 34},
+                                {"threads", "", 7},
+                                {"runs", "", 5},
+                                {"GFLOP", "(per run)", 11},
+                                {"inputs", "(MiB)", 9}});
+  t.print_heading(stdout);
+  double total = 0;
+  for (int64_t S : o.rss_seqs) {
+    const double f = dattn::attention_flops(1, S, S, rss);
+    total += f;
+    t.print_row(stdout, {"(d) rss", attn_problem(rss, S, o.dtype), std::to_string(o.threads), "1",
+                         fixed(f / 1e9, 3), mib(3.0 * double(S) * double(o.head_dim) * es)});
+  }
+  const double n = double(o.gemm_n), fg = gemm_flops(o.gemm_n);
+  total += fg * o.iters;
+  t.print_row(stdout, {"(a) blas", gemm_problem(o), std::to_string(o.threads),
+                       std::to_string(o.iters), fixed(fg / 1e9, 3), mib(3.0 * n * n * 4)});
+  const double fa = dattn::attention_flops(1, o.seq, o.seq, spec);
+  total += fa * o.iters;
+  t.print_row(stdout, {"(b) attn", attn_problem(spec, o.seq, o.dtype), std::to_string(o.threads),
+                       std::to_string(o.iters), fixed(fa / 1e9, 3),
+                       mib(double(o.seq) * double(o.heads) *
+                           double(2 * spec.head_dim + spec.dim_v()) * es)});
+  std::printf(
+      "# inputs = q, k, v (a: A, B, C); (a) and (b) report the best of their runs; %s GFLOP in "
+      "all\n",
+      fixed(total / 1e9, 3).c_str());
+  std::printf("# planned 1 rank in %.3f s\n", MPI_Wtime() - start);
+  std::fflush(stdout);
+}
+
 // ================================================================== main
 
 int kernel_bench(int argc, char** argv) {
   const std::optional<Options> parsed = parse_options(argc, argv);
   if (!parsed) return 0;
   const Options& o = *parsed;
+  if (o.launch.dry_run) {
+    if (world_rank() == 0) print_plan(o);
+    return 0;
+  }
   omp_set_num_threads(o.threads);
 
-  dattn::AttnSpec spec;
-  spec.heads_q = spec.heads_kv = o.heads;
-  spec.head_dim = o.head_dim;
-  spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
-  spec.validate();
+  const dattn::AttnSpec spec = kernel_spec(o);
 
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, "cpu", o.threads);
   const std::string config = dattn::detail::cat(
@@ -244,8 +366,7 @@ int kernel_bench(int argc, char** argv) {
   const double base_mib = peak_rss_mib();
   const std::vector<RssRow> rss = measure_rss(o);
 
-  progress("sgemm n=" + std::to_string(o.gemm_n),
-           2.0 * double(o.gemm_n) * double(o.gemm_n) * double(o.gemm_n) * o.iters / 1e9);
+  progress("sgemm n=" + std::to_string(o.gemm_n), gemm_flops(o.gemm_n) * o.iters / 1e9);
   const Timing gemm = time_sgemm(o.gemm_n, o.threads, o.iters);
   progress("attention seq=" + std::to_string(o.seq),
            dattn::attention_flops(1, o.seq, o.seq, spec) * o.iters / 1e9);
@@ -260,11 +381,8 @@ int kernel_bench(int argc, char** argv) {
                                    {"best", "(ms)", 11},
                                    {"GFLOP/s", "", 9}});
   perf.print_heading(stdout);
-  const std::string gemm_shape =
-      dattn::detail::cat(o.gemm_n, "x", o.gemm_n, "x", o.gemm_n, " fp32");
-  const std::string attn_shape =
-      dattn::detail::cat("B=1 H=", o.heads, " S=", o.seq, " D=", o.head_dim, " ",
-                         dattn::dtype_name(o.dtype), " ", spec.mask.str());
+  const std::string gemm_shape = gemm_problem(o);
+  const std::string attn_shape = attn_problem(spec, o.seq, o.dtype);
   perf.print_row(stdout, {"(a) blas", gemm_shape, std::to_string(o.threads), fixed(gemm.best_ms, 2),
                           fixed(gemm.gflops, 2)});
   perf.print_row(stdout, {"(b) attn", attn_shape, std::to_string(o.threads), fixed(attn.best_ms, 2),
@@ -313,7 +431,29 @@ int kernel_bench(int argc, char** argv) {
       "S, 4.00 would be quadratic.\n");
   std::fflush(stdout);
 
-  if (!o.json.empty()) {
+  // Rank 0 only: the ranks of a several-rank job would all write the same file.
+  if (!o.json.empty() && world_rank() == 0) {
+    // The common row keys (report::result_row) first: one row per timed problem, seq = the
+    // kernel run's S, time_ms = the best of --iters, nothing sent, no correctness check.
+    const auto row = [&](const char* strategy, const Timing& t, const std::string& problem) {
+      dattn::report::ResultRow c;
+      c.workload = "kernel";
+      c.strategy = strategy;
+      c.layout = "";
+      c.seq = o.seq;
+      c.ranks = 1;
+      c.time_ms = t.best_ms;
+      c.tflops_per_rank = t.gflops / 1000;
+      c.sent_mb_per_rank = 0;
+      c.model_mb_per_rank = 0;
+      c.wrong = -1;
+      dattn::report::JsonObject j = dattn::report::result_row(c);
+      j.add("problem", problem).add("threads", o.threads);
+      return j;
+    };
+    const std::vector<std::string> jrows = {
+        row("kernel", attn, attn_shape).add("gflops", attn.gflops).str(),
+        row("sgemm", gemm, gemm_shape).add("n", o.gemm_n).add("gflops", gemm.gflops).str()};
     dattn::report::JsonObject cfg, g, a, top;
     cfg.add("program", "dattn-kernel-bench")
         .add("version", DATTN_VERSION)
@@ -328,6 +468,7 @@ int kernel_bench(int argc, char** argv) {
     g.add("n", o.gemm_n).add("best_ms", gemm.best_ms).add("gflops", gemm.gflops);
     a.add("best_ms", attn.best_ms).add("gflops", attn.gflops);
     top.add_raw("config", cfg.str())
+        .add_raw("rows", dattn::report::json_array(jrows))
         .add_raw("sgemm", g.str())
         .add_raw("attention", a.str())
         .add("ratio", ratio)

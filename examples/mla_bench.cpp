@@ -24,7 +24,9 @@
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
+#include "launch/options.h"
 #include "launch/program.h"
+#include "launch/progress.h"
 #include "src/error.h"
 #include "src/mla.h"
 
@@ -70,6 +72,9 @@ struct Options {
   int check = 0;
   int threads = 0;
   std::string json;
+  // --cp, --tp, --device, --dry-run, --config. The ranks split the heads (head_split) or the
+  // latent (TPLA): that is the tensor-parallel degree, so tp = all ranks and cp = 1.
+  dattn::LaunchOptions launch;
 };
 
 int world_rank() {
@@ -122,6 +127,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
+  dattn::add_launch_options(desc, o.launch);
   po::variables_map vm;
   dattn::parse_command_line(argc, argv, desc, vm);
   if (help || version) {
@@ -134,7 +140,17 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
-  const int G = world_size();
+  // MLA decode has no context parallelism: every rank holds (a slice of) the whole cache. Checked
+  // before resolving, so that --cp 3 on 4 ranks says this rather than "cp x tp != ranks".
+  const char* why = "MLA decode splits heads or the latent over all ranks (--tp)";
+  require_option(o.launch.cp == 0 || o.launch.cp == 1, "--cp", o.launch.cp, cat("1: ", why));
+  // tp defaults to every rank of the plan: the job's, or --world-size's with --dry-run (resolve
+  // rejects --world-size without --dry-run).
+  dattn::resolve_launch_options(o.launch,
+                                o.launch.world_size > 0 ? o.launch.world_size : world_size());
+  const int G = o.launch.world;
+  require_option(o.launch.tp == G && o.launch.cp == 1, "--tp", o.launch.tp,
+                 cat("the number of ranks (", G, "): ", why));
   require_option(o.context >= 1, "--context", o.context, ">= 1");
   require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
   require_option(o.new_tokens >= 1 && o.new_tokens <= o.context, "--new-tokens", o.new_tokens,
@@ -403,12 +419,14 @@ struct Problem {
 
 // Runs `calls` decode steps of one method over its shard (the first `warmup` untimed; timed
 // steps only when `timed`), counting every call's bytes against the model. Returns the last
-// step's output.
+// step's output. `what` names the run in progress lines (rank 0, long runs only).
 Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const MlaWeights& w,
-                 const dattn::MlaCacheShard& shard, int calls, int warmup, bool timed, Row& row) {
+                 const dattn::MlaCacheShard& shard, int calls, int warmup, bool timed, Row& row,
+                 const std::string& what) {
   const int G = rt.cp_size();
   const uint64_t model =
       dattn::mla_decode_send_bytes(pb.cfg, m.parallel, pb.o->batch, pb.o->new_tokens, G);
+  dattn::Progress progress(rt.rank() == 0, what, calls, "steps");
   std::vector<double> times;
   uint64_t sent_sum = 0, mismatches = 0;
   Tensor out;
@@ -424,6 +442,7 @@ Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const M
       times.push_back(t);
       sent_sum += sent;
     }
+    progress.step();
   }
   row.byte_mismatches += allreduce_u64(mismatches, MPI_SUM);
   if (timed) {
@@ -490,8 +509,28 @@ std::string accuracy_json(const Accuracy& a) {
   return j.str();
 }
 
-std::string row_json(const Row& r) {
-  dattn::report::JsonObject j;
+// The method as a strategy name for the common row keys: "head_split", "tpla-none",
+// "tpla-hadamard", "tpla-none-split-rope", ... (its label, words joined by '-').
+std::string strategy_name(const Method& m) {
+  std::string s = m.label();
+  std::replace(s.begin(), s.end(), ' ', '-');
+  return s;
+}
+
+// The common row keys (report::result_row) first, then the benchmark's own.
+std::string row_json(const Options& o, int ranks, const Row& r) {
+  dattn::report::ResultRow c;
+  c.workload = "mla";
+  c.strategy = strategy_name(r.method);
+  c.layout = "";
+  c.seq = o.context;
+  c.ranks = ranks;
+  c.time_ms = r.mean_ms;   // the mean step latency, max over ranks
+  c.tflops_per_rank = -1;  // no FLOP model for MLA decode
+  c.sent_mb_per_rank = r.sent_kb / 1e3;
+  c.model_mb_per_rank = r.model_kb / 1e3;
+  c.wrong = int64_t(r.wrong());
+  dattn::report::JsonObject j = dattn::report::result_row(c);
   std::vector<std::string> times;
   for (double t : r.times)
     times.push_back(dattn::report::json_number(t * 1e3));
@@ -512,9 +551,120 @@ std::string row_json(const Row& r) {
       .add_raw("uniform_energy", accuracy_json(r.acc[0]))
       .add_raw("outlier_channels", accuracy_json(r.acc[1]))
       .add_raw("outlier_channels_aligned_queries", accuracy_json(r.acc[2]))
-      .add("exact_wrong", int64_t(r.exact_wrong))
-      .add("wrong", int64_t(r.wrong()));
+      .add("exact_wrong", int64_t(r.exact_wrong));
   return j.str();
+}
+
+// ================================================================== dry run
+
+// --dry-run: what each rank would hold and send, from the library's slicing (mla_shard_cache on
+// a cache of no tokens gives a rank's latent and RoPE columns) and its models
+// (mla_cache_bytes_per_token, mla_decode_send_bytes); nothing is computed. Printed by rank 0
+// only; needs no Runtime, so --world-size can plan for more ranks than the job has.
+void print_plan(const Options& o) {
+  using dattn::detail::cat;
+  using dattn::report::fixed;
+  const double start = MPI_Wtime();
+  const auto range = [](int64_t first, int64_t n) {
+    return n == 0   ? std::string("-")
+           : n == 1 ? std::to_string(first)
+                    : cat(first, "-", first + n - 1);
+  };
+  const auto mib = [](uint64_t bytes) { return fixed(double(bytes) / (1024.0 * 1024.0), 2); };
+  const auto kb = [](uint64_t bytes) { return fixed(double(bytes) / 1e3, 3); };
+  const int G = o.launch.world;
+  MlaConfig cfg;
+  cfg.heads = o.heads;
+  cfg.latent = o.latent;
+  cfg.rope = o.rope;
+  cfg.qk_nope = o.qk_nope;
+  cfg.v_head = o.v_head;
+  cfg.validate();
+  const int64_t B = o.batch, S = o.context, Sq = o.new_tokens;
+  const uint64_t tokens = uint64_t(S * B);
+
+  std::printf("# dattn MLA decode plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
+  std::printf(
+      "# world %d ranks = cp 1 x tp %d (the ranks split the heads: head_split, or the latent: "
+      "tpla); context %lld batch %lld new-tokens %lld (queries at positions %lld .., causal); "
+      "heads %lld latent %lld rope %lld qk-nope %lld v-head %lld; fp32\n",
+      G, G, static_cast<long long>(S), static_cast<long long>(B), static_cast<long long>(Sq),
+      static_cast<long long>(S - Sq), static_cast<long long>(o.heads),
+      static_cast<long long>(o.latent), static_cast<long long>(o.rope),
+      static_cast<long long>(o.qk_nope), static_cast<long long>(o.v_head));
+  std::printf(
+      "# communicators: one group of all %d ranks; per step head_split allgathers every rank's "
+      "heads of the output, tpla sum-allreduces the whole output%s\n",
+      G, G == 1 ? " (one rank: nothing is sent)" : "");
+  std::printf(
+      "# device: %s\n",
+      o.launch.device == "cpu"
+          ? "cpu on every rank"
+          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
+                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
+                .c_str());
+  const std::vector<Method> ms = methods();
+  std::printf(
+      "# would run: %zu methods, each %d warm-up + %d timed steps on the uniform-energy latents "
+      "and 1 step on each of %d more input kinds; PCA calibrated on %lld tokens per kind; "
+      "check %d\n",
+      ms.size(), o.warmup, o.steps, kKinds - 1, static_cast<long long>(o.calibration), o.check);
+
+  // Per method: the models' cache bytes a rank holds and bytes it sends per step.
+  const dattn::report::Table mt({{"method", "", 10},
+                                 {"transform", "", 9},
+                                 {"rope", "", 10},
+                                 {"logits", "", 6},
+                                 {"cache", "(MiB/rank)", 10},
+                                 {"ratio", "", 6},
+                                 {"model", "(KB/rank/step)", 14}});
+  std::printf("# per method (the same on every rank):\n");
+  mt.print_heading(stdout);
+  const uint64_t head_split_cache =
+      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::head_split, TplaOptions{}, G) * tokens;
+  for (const Method& m : ms) {
+    const uint64_t cache = dattn::mla_cache_bytes_per_token(cfg, m.parallel, m.opt, G) * tokens;
+    const uint64_t send = dattn::mla_decode_send_bytes(cfg, m.parallel, B, Sq, G);
+    mt.print_row(stdout,
+                 {dattn::mla_parallel_name(m.parallel), dattn::latent_transform_name(m.transform),
+                  m.rope_name(), m.logits_name(), mib(cache),
+                  fixed(double(cache) / double(head_split_cache), 3), kb(send)});
+  }
+
+  // Per rank: its heads under head_split, its latent (and split RoPE) columns under tpla.
+  TplaOptions split;
+  split.rope = RopePlacement::split;
+  const Tensor no_c_kv = Tensor::empty({1, 0, cfg.latent}, dattn::DType::f32);
+  const Tensor no_k_pe = Tensor::empty({1, 0, cfg.rope}, dattn::DType::f32);
+  const uint64_t tpla_cache =
+      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::tpla, TplaOptions{}, G) * tokens;
+  const uint64_t split_cache =
+      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::tpla, split, G) * tokens;
+  const uint64_t head_split_send =
+      dattn::mla_decode_send_bytes(cfg, MlaParallel::head_split, B, Sq, G);
+  const uint64_t tpla_send = dattn::mla_decode_send_bytes(cfg, MlaParallel::tpla, B, Sq, G);
+  const dattn::report::Table ranks({{"rank", "", 6},
+                                    {"heads", "(head_split)", 12},
+                                    {"latent", "(tpla)", 11},
+                                    {"rope", "(split)", 11},
+                                    {"cache_hs", "(MiB)", 10},
+                                    {"cache_tpla", "(MiB)", 10},
+                                    {"cache_split", "(MiB)", 11},
+                                    {"send_hs", "(KB/step)", 10},
+                                    {"send_tpla", "(KB/step)", 10}});
+  std::printf("# per rank (tpla's RoPE part: every column on every rank unless split):\n");
+  ranks.print_heading(stdout);
+  for (int g = 0; g < G; ++g) {
+    const int64_t h0 = g * o.heads / G, hn = (g + 1) * o.heads / G - h0;
+    const dattn::MlaCacheShard t =
+        dattn::mla_shard_cache(cfg, MlaParallel::tpla, split, no_c_kv, no_k_pe, g, G);
+    ranks.print_row(stdout,
+                    {std::to_string(g), range(h0, hn), range(t.latent_begin, t.latent_len),
+                     range(t.rope_begin, t.rope_len), mib(head_split_cache), mib(tpla_cache),
+                     mib(split_cache), kb(head_split_send), kb(tpla_send)});
+  }
+  std::printf("# planned %d ranks in %.3f s\n", G, MPI_Wtime() - start);
+  std::fflush(stdout);
 }
 
 // ================================================================== main
@@ -527,7 +677,16 @@ int mla_bench(int argc, char** argv) {
   using dattn::report::fixed;
   using dattn::report::sci;
 
+  if (o.launch.dry_run) {
+    if (world_rank() == 0) print_plan(o);
+    return 0;
+  }
+
+  // mla_decode runs over rt.cp() (src/mla.cpp), so the Runtime keeps its default grid, cp = all
+  // ranks and tp = 1, exactly as before; the launch options' cp 1 x tp G (the ranks split heads
+  // or the latent) only validates the options and names the grid in the plan.
   dattn::RuntimeOptions ropts;
+  ropts.device = o.launch.dev;
   ropts.threads = o.threads;
   dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
   const int G = rt.cp_size(), r = rt.cp_rank(), T = rt.threads();
@@ -560,9 +719,9 @@ int mla_bench(int argc, char** argv) {
     channels += cat(channels.empty() ? "" : ",", c);
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
   const std::vector<std::string> config = {
-      cat("ranks (G) ", rt.size(), " threads/rank ", T, " context ", S, " batch ", B,
-          " new-tokens ", Sq, " (queries at positions ", pb.pos0, " .., causal) steps ", o.steps,
-          " warmup ", o.warmup, " check ", o.check),
+      cat("ranks (G) ", rt.size(), " (cp 1 x tp ", G, ") threads/rank ", T, " context ", S,
+          " batch ", B, " new-tokens ", Sq, " (queries at positions ", pb.pos0,
+          " .., causal) steps ", o.steps, " warmup ", o.warmup, " check ", o.check),
       cat("MLA heads ", H, " latent ", dc, " rope ", dr, " qk-nope ", o.qk_nope, " v-head ",
           o.v_head, " softmax scale ", cfg.scale(), " fp32; weights MlaWeights::random(seed ",
           kWeightSeed, ")"),
@@ -658,7 +817,8 @@ int mla_bench(int argc, char** argv) {
       }  // the full transformed cache goes here (a TPLA shard holds copies of its columns)
       row.cache_held_bytes =
           allreduce_u64(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()), MPI_MAX);
-      const Tensor out = run_steps(rt, pb, m, wm, shard, calls, o.warmup, timed, row);
+      const Tensor out = run_steps(rt, pb, m, wm, shard, calls, o.warmup, timed, row,
+                                   cat("mla ", kind_name(kind), ": ", m.label()));
       compare_exact(out, exact, pb.h0, pb.hn, row.acc[k]);
       if (o.check) compare_f64(out, f64, pb.h0, pb.hn, row.acc[k]);
       if ((!m.tpla() || G == 1) && !(row.acc[k].rel_l2 <= kExactRelTol)) row.exact_wrong += 1;
@@ -819,7 +979,7 @@ int mla_bench(int argc, char** argv) {
           .add("with_nccl", bool(DATTN_WITH_NCCL));
       std::vector<std::string> jrows;
       for (const Row& row : rows)
-        jrows.push_back(row_json(row));
+        jrows.push_back(row_json(o, rt.size(), row));
       dattn::report::JsonObject jcache;
       jcache.add("tpla_over_head_split", cache_ratio)
           .add("split_rope_over_head_split", rows[4].cache_ratio)

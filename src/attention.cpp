@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/attention_backward_cpu.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/merge.h"
 #include "src/error.h"
@@ -180,6 +181,57 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
   blk.k_pos0 = k_pos0;
   cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
   return res;
+}
+
+namespace {
+// Checks the forward result and dout of a backward call against q and the spec: fwd.out
+// [B, S_q, H_q, D_v] fp32, fwd.lse [B, H_q, S_q] fp32, dout [B, S_q, H_q, D_v] (any dtype).
+void check_backward_inputs(const Tensor& q, const Partial& fwd, const Tensor& dout,
+                           const AttnSpec& spec) {
+  const int64_t B = q.size(0), S = q.size(1), H = spec.heads_q, Dv = spec.dim_v();
+  auto check_shape = [](const Tensor& t, const char* name, std::initializer_list<int64_t> want,
+                        const char* layout) {
+    DATTN_CHECK_ARG(t.defined() && t.dim() == int(want.size()), detail::cat(name, " rank"), t.dim(),
+                    detail::cat(want.size(), " dimensions ", layout));
+    DATTN_CHECK_ARG(t.device().is_cpu(), detail::cat(name, " device"), t.device().str(),
+                    "cpu (the CUDA backend is not built yet)");
+    int d = 0;
+    for (int64_t n : want) {
+      DATTN_CHECK_ARG(t.size(d) == n, detail::cat(name, " shape"), t.shape_str(),
+                      detail::cat("size ", n, " in dimension ", d, " of ", layout));
+      ++d;
+    }
+    DATTN_CHECK_ARG(t.data() != nullptr || t.numel() == 0, detail::cat(name, " data"), "nullptr",
+                    "a valid pointer");
+  };
+  check_shape(dout, "dout", {B, S, H, Dv}, "[batch, seq_q, heads_q, head_dim_v]");
+  check_shape(fwd.out, "fwd.out", {B, S, H, Dv}, "[batch, seq_q, heads_q, head_dim_v]");
+  check_shape(fwd.lse, "fwd.lse", {B, H, S}, "[batch, heads_q, seq_q]");
+  DATTN_CHECK_ARG(fwd.out.dtype() == DType::f32, "fwd.out dtype", dtype_name(fwd.out.dtype()),
+                  "fp32 (attention's output)");
+  DATTN_CHECK_ARG(fwd.lse.dtype() == DType::f32, "fwd.lse dtype", dtype_name(fwd.lse.dtype()),
+                  "fp32 (attention's lse)");
+}
+}  // namespace
+
+Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
+                                   int64_t q_pos0, int64_t k_pos0) {
+  check_qkv(q, k, v, spec);
+  check_backward_inputs(q, fwd, dout, spec);
+  const int64_t B = q.size(0), Sq = q.size(1), Sk = k.size(1);
+  Gradients g{Tensor::zeros({B, Sq, spec.heads_q, spec.head_dim}, DType::f32),
+              Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32),
+              Tensor::zeros({B, Sk, spec.heads_kv, spec.dim_v()}, DType::f32)};
+  Tensor delta = Tensor::empty({B, spec.heads_q, Sq}, DType::f32);
+  cpu::attention_backward_delta(dout.data(), dout.dtype(), fwd.out.ptr<float>(), B, Sq,
+                                spec.heads_q, spec.dim_v(), delta.ptr<float>());
+  cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), Sk, spec);
+  blk.q_pos0 = q_pos0;
+  blk.k_pos0 = k_pos0;
+  cpu::attention_backward(blk, dout.data(), dout.dtype(), fwd.lse.ptr<float>(), delta.ptr<float>(),
+                          g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>());
+  return g;
 }
 
 }  // namespace dattn

@@ -1,4 +1,5 @@
-// The float64 reference attention: every score computed, two passes per row (max, then sums).
+// The float64 reference attention: every score computed, two passes per row (max, then sums);
+// and its backward, row by row from the same probabilities.
 #include "kernels/cpu/reference.h"
 
 #include <cmath>
@@ -55,6 +56,85 @@ ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tens
     }
   }
   return r;
+}
+
+ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& dout, const AttnSpec& spec,
+                                            int64_t q_pos0, int64_t k_pos0) {
+  const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Sk = k.size(1), Hkv = k.size(2), Dv = v.size(3);
+  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && k.size(3) == D && v.size(1) == Sk);
+  DATTN_ASSERT(dout.size(0) == B && dout.size(1) == Sq && dout.size(2) == Hq && dout.size(3) == Dv);
+  const int64_t group = Hq / Hkv;
+  const double scale = spec.scale();
+  const double ninf = -std::numeric_limits<double>::infinity();
+  ReferenceGrads g;
+  g.dq.assign(size_t(B * Sq * Hq * D), 0.0);
+  g.dk.assign(size_t(B * Sk * Hkv * D), 0.0);
+  g.dv.assign(size_t(B * Sk * Hkv * Dv), 0.0);
+  // The stored values as doubles, read once (Tensor::get per access would dominate).
+  auto doubles = [](const Tensor& t) {
+    std::vector<double> x(size_t(t.numel()));
+    for (int64_t i = 0; i < t.numel(); ++i)
+      x[size_t(i)] = t.get(i);
+    return x;
+  };
+  const std::vector<double> qd = doubles(q), kd = doubles(k), vd = doubles(v), gd = doubles(dout);
+  std::vector<double> p(static_cast<size_t>(Sk)), dp(static_cast<size_t>(Sk));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / group;
+      auto qv = [&](int64_t i, int64_t d) { return qd[size_t(((b * Sq + i) * Hq + h) * D + d)]; };
+      auto kv = [&](int64_t j, int64_t d) { return kd[size_t(((b * Sk + j) * Hkv + hk) * D + d)]; };
+      auto vv = [&](int64_t j, int64_t d) {
+        return vd[size_t(((b * Sk + j) * Hkv + hk) * Dv + d)];
+      };
+      auto gv = [&](int64_t i, int64_t d) { return gd[size_t(((b * Sq + i) * Hq + h) * Dv + d)]; };
+      for (int64_t i = 0; i < Sq; ++i) {
+        // P: the softmax of the row's visible scores (p = 0 for a hidden key).
+        double m = ninf;
+        for (int64_t j = 0; j < Sk; ++j) {
+          p[j] = ninf;
+          if (!spec.mask.visible(q_pos0 + i, k_pos0 + j)) continue;
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d)
+            dot += qv(i, d) * kv(j, d);
+          p[j] = dot * scale;
+          m = std::max(m, p[j]);
+        }
+        if (m == ninf) continue;  // no visible key: out = 0 whatever q, k, v are
+        double sum = 0;
+        for (int64_t j = 0; j < Sk; ++j) {
+          p[j] = p[j] == ninf ? 0.0 : std::exp(p[j] - m);
+          sum += p[j];
+        }
+        // dP = dO V^T, delta = sum_j P dP (= dO . out), dS = P (dP - delta).
+        double delta = 0;
+        for (int64_t j = 0; j < Sk; ++j) {
+          p[j] /= sum;
+          dp[j] = 0;
+          if (p[j] == 0.0) continue;
+          for (int64_t d = 0; d < Dv; ++d)
+            dp[j] += gv(i, d) * vv(j, d);
+          delta += p[j] * dp[j];
+        }
+        double* dq = g.dq.data() + ((b * Sq + i) * Hq + h) * D;
+        for (int64_t j = 0; j < Sk; ++j) {
+          if (p[j] == 0.0) continue;
+          const double ds = p[j] * (dp[j] - delta);
+          double* dk = g.dk.data() + ((b * Sk + j) * Hkv + hk) * D;
+          double* dv = g.dv.data() + ((b * Sk + j) * Hkv + hk) * Dv;
+          for (int64_t d = 0; d < D; ++d) {
+            dq[d] += scale * ds * kv(j, d);
+            dk[d] += scale * ds * qv(i, d);
+          }
+          for (int64_t d = 0; d < Dv; ++d)
+            dv[d] += p[j] * gv(i, d);
+        }
+      }
+    }
+  }
+  return g;
 }
 
 }  // namespace dattn::cpu

@@ -1,0 +1,389 @@
+// The CPU attention backward kernel. For each pair of a query tile and a key tile the mask does
+// not hide: S = scale Q K^T and P = exp(S - lse) recomputed from the final lse, dP = dO V^T,
+// dS = P (dP - delta), then dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, all BLAS sgemm
+// calls on the tiles. Each output element is written by one thread, in one fixed order.
+#include "kernels/cpu/attention_backward_cpu.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "kernels/cpu/vec_math.h"
+#include "src/error.h"
+
+namespace dattn::cpu {
+
+namespace {
+
+// Tile sizes of the backward: the forward's (see attention_cpu.h).
+constexpr int64_t kBwdTileQ = kTileQ;
+constexpr int64_t kBwdTileK = kTileK;
+
+// ---------------------------------------------------------------- workspace
+// Per-thread tile buffers, allocated once per call: O(tile), independent of S.
+struct Workspace {
+  std::unique_ptr<float[], void (*)(void*)> mem{nullptr, std::free};
+  float* q = nullptr;               // [kBwdTileQ, D]   converted queries (16-bit inputs only)
+  float* dout = nullptr;            // [kBwdTileQ, Dv]  converted output gradients
+  float* k = nullptr;               // [kBwdTileK, D]   converted keys
+  float* v = nullptr;               // [kBwdTileK, Dv]  converted values
+  float* p = nullptr;               // [kBwdTileQ, kBwdTileK] scores, then probabilities P
+  float* ds = nullptr;              // [kBwdTileQ, kBwdTileK] dP, then dS
+  std::vector<int64_t> kpos, kdoc;  // [kBwdTileK] key positions and documents of a masked tile
+
+  Workspace(int64_t d, int64_t dv) : kpos(size_t(kBwdTileK)), kdoc(size_t(kBwdTileK)) {
+    const int64_t sizes[] = {kBwdTileQ * d,  kBwdTileQ * dv,        kBwdTileK * d,
+                             kBwdTileK * dv, kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK};
+    int64_t total = 0;
+    for (int64_t sz : sizes)
+      total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
+    mem.reset(static_cast<float*>(std::aligned_alloc(64, size_t(total) * sizeof(float))));
+    if (!mem) DATTN_THROW("out of host memory allocating the attention backward workspace");
+    float* ptr = mem.get();
+    float** slots[] = {&q, &dout, &k, &v, &p, &ds};
+    for (int i = 0; i < 6; ++i) {
+      *slots[i] = ptr;
+      ptr += (sizes[i] + 15) / 16 * 16;
+    }
+  }
+};
+
+// Rows [row0, row0 + rows) of head h of a bshd tensor as an fp32 matrix with leading dimension
+// *ld: the tensor itself for fp32 (no copy), else converted into buf.
+const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int64_t heads,
+                      int64_t h, int64_t dim, int64_t row0, int64_t rows, float* buf, int64_t* ld) {
+  const int64_t offset = ((b * seq + row0) * heads + h) * dim;
+  if (dtype == DType::f32) {
+    *ld = heads * dim;
+    return static_cast<const float*>(base) + offset;
+  }
+  const char* src = static_cast<const char*>(base) + offset * 2;
+  for (int64_t r = 0; r < rows; ++r)
+    convert_to_f32(src + r * heads * dim * 2, dtype, buf + r * dim, size_t(dim));
+  *ld = dim;
+  return buf;
+}
+
+// An fp32 tile: its first element and leading dimension.
+struct Tile {
+  const float* ptr = nullptr;
+  int64_t ld = 0;
+};
+
+// ---------------------------------------------------------------- one call's geometry
+struct Problem {
+  const AttentionBlock& blk;
+  const void* dout;
+  DType dout_dtype;
+  const float* lse;
+  const float* delta;
+  int64_t B, Hq, Hkv, D, Dv, group, q_len, k_len, q_tiles, k_tiles;
+
+  int64_t q_pos(int64_t i) const {  // i: row of the block
+    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
+  }
+  int64_t k_pos(int64_t j) const {
+    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
+  }
+  // Query tile it: first block row and rows.
+  int64_t q_row0(int64_t it) const { return it * kBwdTileQ; }
+  int64_t q_rows(int64_t it) const { return std::min(kBwdTileQ, q_len - it * kBwdTileQ); }
+  int64_t k_row0(int64_t jt) const { return jt * kBwdTileK; }
+  int64_t k_rows(int64_t jt) const { return std::min(kBwdTileK, k_len - jt * kBwdTileK); }
+  // How query tile it meets key tile jt under the mask.
+  Mask::Cover cover(int64_t it, int64_t jt) const {
+    const int64_t i0 = q_row0(it), i1 = i0 + q_rows(it) - 1;
+    const int64_t j0 = k_row0(jt), j1 = j0 + k_rows(jt) - 1;
+    return blk.mask.cover(std::min(q_pos(i0), q_pos(i1)), std::max(q_pos(i0), q_pos(i1)),
+                          std::min(k_pos(j0), k_pos(j1)), std::max(k_pos(j0), k_pos(j1)));
+  }
+
+  Tile q_tile(Workspace& ws, int64_t b, int64_t h, int64_t it) const {
+    Tile t;
+    t.ptr = tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it), q_rows(it),
+                     ws.q, &t.ld);
+    return t;
+  }
+  Tile dout_tile(Workspace& ws, int64_t b, int64_t h, int64_t it) const {
+    Tile t;
+    t.ptr = tile_f32(dout, dout_dtype, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it),
+                     q_rows(it), ws.dout, &t.ld);
+    return t;
+  }
+  Tile k_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
+    Tile t;
+    t.ptr = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt),
+                     k_rows(jt), ws.k, &t.ld);
+    return t;
+  }
+  Tile v_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
+    Tile t;
+    t.ptr = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt),
+                     k_rows(jt), ws.v, &t.ld);
+    return t;
+  }
+
+  // P and dS of query tile it of head h against key tile jt, into ws.p and ws.ds ([bq, bk],
+  // leading dimension bk). Returns false when P is all zero (nothing to add): every row either
+  // saw no key at all (lse = -inf) or is hidden from this tile by the mask. Every schedule calls
+  // this with the same arguments for a tile pair, so P and dS are bitwise the same in all.
+  bool p_and_ds(Workspace& ws, int64_t b, int64_t h, int64_t it, int64_t jt, Mask::Cover cover,
+                Tile Q, Tile dO, Tile K, Tile V) const {
+    const int64_t i0 = q_row0(it), bq = q_rows(it);
+    const int64_t j0 = k_row0(jt), bk = k_rows(jt);
+    const int64_t row0 = (b * Hq + h) * blk.seq_q + blk.q_begin + i0;  // into lse and delta
+    // S = scale * Q K^T [bq, bk], rounded like the forward's.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(D), blk.scale, Q.ptr,
+                int(Q.ld), K.ptr, int(K.ld), 0.f, ws.p, int(bk));
+    if (cover == Mask::Cover::some) {
+      for (int64_t j = 0; j < bk; ++j) {
+        ws.kpos[size_t(j)] = k_pos(j0 + j);
+        ws.kdoc[size_t(j)] = blk.mask.document_of(ws.kpos[size_t(j)]);
+      }
+    }
+    bool any = false;
+    for (int64_t i = 0; i < bq; ++i) {
+      float* prow = ws.p + i * bk;
+      const float l = lse[row0 + i];
+      if (l == -INFINITY) {  // the row saw no key: exp(S - lse) would be +inf or NaN
+        std::fill(prow, prow + bk, 0.f);
+        continue;
+      }
+      if (cover == Mask::Cover::some) {
+        const int64_t qp = q_pos(i0 + i), qdoc = blk.mask.document_of(qp);
+        bool visible = false;
+        for (int64_t j = 0; j < bk; ++j) {
+          if (!blk.mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc)
+            prow[j] = -INFINITY;
+          else
+            visible = true;
+        }
+        if (!visible) {
+          std::fill(prow, prow + bk, 0.f);
+          continue;
+        }
+      }
+      // P = exp(S - lse): S <= lse up to rounding, so no overflow; masked -inf gives exactly 0.
+      (void)exp_shift_sum(prow, bk, l);
+      any = true;
+    }
+    if (!any) return false;
+    // dP = dO V^T [bq, bk]
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(Dv), 1.f, dO.ptr,
+                int(dO.ld), V.ptr, int(V.ld), 0.f, ws.ds, int(bk));
+    // dS = P (dP - delta); an empty row (P = 0, delta = 0) stays exactly 0.
+    for (int64_t i = 0; i < bq; ++i) {
+      const float* prow = ws.p + i * bk;
+      float* drow = ws.ds + i * bk;
+      const float d = delta[row0 + i];
+      for (int64_t j = 0; j < bk; ++j)
+        drow[j] = prow[j] * (drow[j] - d);
+    }
+    return true;
+  }
+
+  float* dq_at(float* dq, int64_t b, int64_t h, int64_t it) const {
+    return dq + ((b * blk.seq_q + blk.q_begin + q_row0(it)) * Hq + h) * D;
+  }
+  float* dk_at(float* dk, int64_t b, int64_t hk, int64_t jt) const {
+    return dk + ((b * blk.seq_k + blk.k_begin + k_row0(jt)) * Hkv + hk) * D;
+  }
+  float* dv_at(float* dv, int64_t b, int64_t hk, int64_t jt) const {
+    return dv + ((b * blk.seq_k + blk.k_begin + k_row0(jt)) * Hkv + hk) * Dv;
+  }
+
+  // dk, dv of key tile jt of kv head hk: the query tiles in order, the group's query heads in
+  // order inside each. With dq != nullptr also dq of those heads (the fused schedule, where this
+  // task owns them): query tile it of head h receives key tile jt's part after jt - 1's.
+  void key_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt, float* dq, float* dk,
+                float* dv) const {
+    const int64_t bk = k_rows(jt);
+    const Tile K = k_tile(ws, b, hk, jt), V = v_tile(ws, b, hk, jt);
+    float* dk_t = dk_at(dk, b, hk, jt);
+    float* dv_t = dv_at(dv, b, hk, jt);
+    for (int64_t it = 0; it < q_tiles; ++it) {
+      const Mask::Cover cover = this->cover(it, jt);
+      if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
+      const int64_t bq = q_rows(it);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const Tile Q = q_tile(ws, b, h, it), dO = dout_tile(ws, b, h, it);
+        if (!p_and_ds(ws, b, h, it, jt, cover, Q, dO, K, V)) continue;
+        // dV += P^T dO [bk, Dv]
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(bk), int(Dv), int(bq), 1.f, ws.p,
+                    int(bk), dO.ptr, int(dO.ld), 1.f, dv_t, int(Hkv * Dv));
+        // dK += scale dS^T Q [bk, D]
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(bk), int(D), int(bq), blk.scale,
+                    ws.ds, int(bk), Q.ptr, int(Q.ld), 1.f, dk_t, int(Hkv * D));
+        if (dq != nullptr) query_update(ws, b, h, it, jt, K, dq);
+      }
+    }
+  }
+
+  // dQ += scale dS K [bq, D] for query tile it of head h, key tile jt (dS in ws.ds).
+  void query_update(Workspace& ws, int64_t b, int64_t h, int64_t it, int64_t jt, Tile K,
+                    float* dq) const {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(q_rows(it)), int(D), int(k_rows(jt)),
+                blk.scale, ws.ds, int(k_rows(jt)), K.ptr, int(K.ld), 1.f, dq_at(dq, b, h, it),
+                int(Hq * D));
+  }
+
+  // dq of query tile it of head h: the key tiles in order (the two-pass schedule's second pass).
+  void query_tile(Workspace& ws, int64_t b, int64_t h, int64_t it, float* dq) const {
+    const int64_t hk = h / group;
+    const Tile Q = q_tile(ws, b, h, it), dO = dout_tile(ws, b, h, it);
+    for (int64_t jt = 0; jt < k_tiles; ++jt) {
+      const Mask::Cover cover = this->cover(it, jt);
+      if (cover == Mask::Cover::none) continue;
+      const Tile K = k_tile(ws, b, hk, jt), V = v_tile(ws, b, hk, jt);
+      if (!p_and_ds(ws, b, h, it, jt, cover, Q, dO, K, V)) continue;
+      query_update(ws, b, h, it, jt, K, dq);
+    }
+  }
+};
+
+// Whether the fused schedule keeps `threads` busy enough: it runs B * H_kv tasks of 5 tile GEMMs
+// per tile pair, so with whole tasks per thread it takes 5 * ceil(tasks / threads) units of time,
+// where two_pass (7 GEMMs, finely divided) takes about 7 * tasks / threads.
+bool fused_is_faster(int64_t tasks, int64_t threads) {
+  const int64_t rounds = (tasks + threads - 1) / threads;
+  return 5 * threads * rounds <= 7 * tasks;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- the kernel
+void attention_backward(const AttentionBlock& blk, const void* dout, const float* lse,
+                        const float* delta, float* dq, float* dk, float* dv,
+                        BackwardSchedule schedule) {
+  attention_backward(blk, dout, blk.dtype, lse, delta, dq, dk, dv, schedule);
+}
+
+// Determinism: every element of dq, dk, dv is accumulated by exactly one task, in an order that
+// depends only on the tiles (for dk, dv: query tiles, then the group's heads; for dq: key tiles),
+// never on the thread count or timing. The schedules compute the same tile pairs with the same
+// calls, so they agree bitwise too, and `automatic` may pick either by thread count.
+void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_dtype,
+                        const float* lse, const float* delta, float* dq, float* dk, float* dv,
+                        BackwardSchedule schedule) {
+  const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
+  const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
+  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
+  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
+  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
+  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
+  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
+  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
+  if (B == 0 || q_len <= 0 || k_len <= 0) return;
+  const Problem pr{blk,
+                   dout,
+                   dout_dtype,
+                   lse,
+                   delta,
+                   B,
+                   Hq,
+                   Hkv,
+                   D,
+                   Dv,
+                   Hq / Hkv,
+                   q_len,
+                   k_len,
+                   (q_len + kBwdTileQ - 1) / kBwdTileQ,
+                   (k_len + kBwdTileK - 1) / kBwdTileK};
+
+  // Whole block hidden by the mask: nothing to do.
+  if (blk.mask.cover(std::min(pr.q_pos(0), pr.q_pos(q_len - 1)),
+                     std::max(pr.q_pos(0), pr.q_pos(q_len - 1)),
+                     std::min(pr.k_pos(0), pr.k_pos(k_len - 1)),
+                     std::max(pr.k_pos(0), pr.k_pos(k_len - 1))) == Mask::Cover::none)
+    return;
+
+  // Each thread runs single-threaded BLAS on its own tiles.
+  openblas_set_num_threads(1);
+  const int threads = omp_get_max_threads();
+  if (schedule == BackwardSchedule::automatic)
+    schedule =
+        fused_is_faster(B * Hkv, threads) ? BackwardSchedule::fused : BackwardSchedule::two_pass;
+
+  // Allocated before the parallel region, so that running out of memory is a dattn::Error and
+  // not an exception escaping an OpenMP thread.
+  std::vector<Workspace> workspaces;
+  workspaces.reserve(size_t(threads));
+  for (int t = 0; t < threads; ++t)
+    workspaces.emplace_back(D, Dv);
+
+  if (schedule == BackwardSchedule::fused) {
+#pragma omp parallel
+    {
+      Workspace& ws = workspaces[size_t(omp_get_thread_num())];
+#pragma omp for collapse(2) schedule(dynamic, 1)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hk = 0; hk < Hkv; ++hk)
+          for (int64_t jt = 0; jt < pr.k_tiles; ++jt)
+            pr.key_tile(ws, b, hk, jt, dq, dk, dv);
+    }
+    return;
+  }
+
+#pragma omp parallel
+  {
+    Workspace& ws = workspaces[size_t(omp_get_thread_num())];
+    // Pass 1: dk, dv. Key tile 0 comes first in each head: under a causal mask it has the most
+    // query tiles, and dynamic scheduling fills in behind it. nowait: the passes write different
+    // tensors, so a thread done with pass 1 starts on pass 2 while the others finish.
+#pragma omp for collapse(3) schedule(dynamic, 1) nowait
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hk = 0; hk < Hkv; ++hk)
+        for (int64_t jt = 0; jt < pr.k_tiles; ++jt)
+          pr.key_tile(ws, b, hk, jt, nullptr, dk, dv);
+          // Pass 2: dq.
+#pragma omp for collapse(3) schedule(dynamic, 1) nowait
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t it = 0; it < pr.q_tiles; ++it)
+          pr.query_tile(ws, b, h, it, dq);
+  }
+}
+
+void attention_backward_delta(const void* dout, DType dtype, const float* out, int64_t batch,
+                              int64_t seq, int64_t heads, int64_t head_dim_v, float* delta) {
+  const int64_t Dv = head_dim_v;
+  auto rows = [&](auto load) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t s = 0; s < seq; ++s) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t row = (b * seq + s) * heads + h;
+          const float* o = out + row * Dv;
+          double sum = 0;
+          for (int64_t d = 0; d < Dv; ++d)
+            sum += double(load(row * Dv + d)) * double(o[d]);
+          delta[(b * heads + h) * seq + s] = float(sum);
+        }
+      }
+    }
+  };
+  switch (dtype) {
+    case DType::f32: {
+      const float* g = static_cast<const float*>(dout);
+      rows([g](int64_t i) { return g[i]; });
+      return;
+    }
+    case DType::bf16: {
+      const bf16* g = static_cast<const bf16*>(dout);
+      rows([g](int64_t i) { return to_float(g[i]); });
+      return;
+    }
+    case DType::f16: {
+      const f16* g = static_cast<const f16*>(dout);
+      rows([g](int64_t i) { return to_float(g[i]); });
+      return;
+    }
+  }
+}
+
+}  // namespace dattn::cpu

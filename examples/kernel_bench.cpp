@@ -1,6 +1,7 @@
 // dattn-kernel-bench: the single-process CPU attention kernel against the BLAS it is built on.
 // Prints the BLAS's own sgemm FLOP/s, the kernel's attention FLOP/s on the same threads, their
-// ratio (target >= 0.50), and peak RSS against S to show the kernel's memory is linear in S.
+// ratio (target >= 0.50), the backward's FLOP/s and ratio (target >= 0.35), and peak RSS against S
+// to show the kernel's memory is linear in S.
 #include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
@@ -93,7 +94,8 @@ std::optional<Options> parse_options(int argc, char** argv) {
   Options o;
   bool help = false, version = false;
   po::options_description desc(
-      "dattn-kernel-bench: CPU attention kernel vs sgemm, and peak memory vs S (one process)\n"
+      "dattn-kernel-bench: CPU attention kernel (forward, backward) vs sgemm, and peak memory vs S "
+      "(one process)\n"
       "options");
   // clang-format off
   desc.add_options()
@@ -258,6 +260,26 @@ Timing time_attention(const Options& o, const dattn::AttnSpec& spec) {
   return {best * 1e3, dattn::attention_flops(1, o.seq, o.seq, spec) / best / 1e9};
 }
 
+// attention_local_backward (delta and the kernel) after one forward, best of iters. Its FLOPs
+// are 2.5x the forward's (the usual model: 5 GEMM-sized products against the forward's 2).
+Timing time_backward(const Options& o, const dattn::AttnSpec& spec) {
+  const Tensor q = random_bshd(o.seq, spec.heads_q, spec.head_dim, o.dtype, 1);
+  const Tensor k = random_bshd(o.seq, spec.heads_kv, spec.head_dim, o.dtype, 2);
+  const Tensor v = random_bshd(o.seq, spec.heads_kv, spec.dim_v(), o.dtype, 3);
+  const Tensor dout = random_bshd(o.seq, spec.heads_q, spec.dim_v(), o.dtype, 4);
+  const dattn::Partial fwd = dattn::attention_local(q, k, v, spec);
+  dattn::Progress progress(world_rank() == 0, dattn::detail::cat("kernel backward seq=", o.seq),
+                           o.iters);
+  double best = 1e300;
+  for (int it = 0; it < o.iters; ++it) {
+    const double t0 = MPI_Wtime();
+    (void)dattn::attention_local_backward(q, k, v, fwd, dout, spec);
+    best = std::min(best, MPI_Wtime() - t0);
+    progress.step();
+  }
+  return {best * 1e3, 2.5 * dattn::attention_flops(1, o.seq, o.seq, spec) / best / 1e9};
+}
+
 struct RssRow {
   int64_t seq = 0;
   double tensors_mib = 0, peak_mib = 0, time_ms = 0;
@@ -318,7 +340,7 @@ void print_plan(const Options& o) {
   for (int64_t S : o.rss_seqs) {
     const double f = dattn::attention_flops(1, S, S, rss);
     total += f;
-    t.print_row(stdout, {"(d) rss", attn_problem(rss, S, o.dtype), std::to_string(o.threads), "1",
+    t.print_row(stdout, {"(f) rss", attn_problem(rss, S, o.dtype), std::to_string(o.threads), "1",
                          fixed(f / 1e9, 3), mib(3.0 * double(S) * double(o.head_dim) * es)});
   }
   const double n = double(o.gemm_n), fg = gemm_flops(o.gemm_n);
@@ -331,9 +353,14 @@ void print_plan(const Options& o) {
                        std::to_string(o.iters), fixed(fa / 1e9, 3),
                        mib(double(o.seq) * double(o.heads) *
                            double(2 * spec.head_dim + spec.dim_v()) * es)});
+  total += 2.5 * fa * o.iters;
+  t.print_row(stdout, {"(d) bwd", attn_problem(spec, o.seq, o.dtype), std::to_string(o.threads),
+                       std::to_string(o.iters), fixed(2.5 * fa / 1e9, 3),
+                       mib(double(o.seq) * double(o.heads) *
+                           double(2 * spec.head_dim + 2 * spec.dim_v()) * es)});
   std::printf(
-      "# inputs = q, k, v (a: A, B, C); (a) and (b) report the best of their runs; %s GFLOP in "
-      "all\n",
+      "# inputs = q, k, v (a: A, B, C; d: and dout); (a), (b), (d) report the best of their runs; "
+      "%s GFLOP in all\n",
       fixed(total / 1e9, 3).c_str());
   std::printf("# planned 1 rank in %.3f s\n", MPI_Wtime() - start);
   std::fflush(stdout);
@@ -362,7 +389,7 @@ int kernel_bench(int argc, char** argv) {
   std::fflush(stdout);
 
   // ru_maxrss is a high-water mark: the small-footprint RSS runs go first, before the sgemm's
-  // 3 n^2 floats and the kernel run's tensors raise it. They are printed last, as section (d).
+  // 3 n^2 floats and the kernel run's tensors raise it. They are printed last, as section (f).
   const double base_mib = peak_rss_mib();
   const std::vector<RssRow> rss = measure_rss(o);
 
@@ -373,9 +400,14 @@ int kernel_bench(int argc, char** argv) {
   const Timing attn = time_attention(o, spec);
   const double ratio = attn.gflops / gemm.gflops;
   const bool pass = ratio >= 0.50;
+  progress("backward seq=" + std::to_string(o.seq),
+           2.5 * dattn::attention_flops(1, o.seq, o.seq, spec) * o.iters / 1e9);
+  const Timing bwd = time_backward(o, spec);
+  const double bwd_ratio = bwd.gflops / gemm.gflops;
+  const bool bwd_pass = bwd_ratio >= 0.35;
 
-  // ---------------------------------------------------------------- (a)-(c) throughput
-  const dattn::report::Table perf({{"section", "", 10},
+  // ---------------------------------------------------------------- (a)-(e) throughput
+  const dattn::report::Table perf({{"section", "", 17},
                                    {"problem", "", 34},
                                    {"threads", "", 7},
                                    {"best", "(ms)", 11},
@@ -390,9 +422,14 @@ int kernel_bench(int argc, char** argv) {
   dattn::report::print_footer_line(
       stdout, "(c) kernel / sgemm",
       fixed(ratio, 3) + " (target >= 0.50) " + (pass ? "PASS" : "BELOW"));
-  std::printf("#\n");
+  perf.print_row(stdout, {"(d) attn backward", attn_shape, std::to_string(o.threads),
+                          fixed(bwd.best_ms, 2), fixed(bwd.gflops, 2)});
+  dattn::report::print_footer_line(
+      stdout, "(e) backward / sgemm",
+      fixed(bwd_ratio, 3) + " (target >= 0.35) " + (bwd_pass ? "PASS" : "FAIL"));
+  std::printf("# backward GFLOP/s count 2.5x the forward's FLOPs\n#\n");
 
-  // ---------------------------------------------------------------- (d) memory
+  // ---------------------------------------------------------------- (f) memory
   const dattn::report::Table mem({{"seq", "(tokens)", 10},
                                   {"tensors", "(MiB)", 9},
                                   {"peak_rss", "(MiB)", 9},
@@ -400,7 +437,7 @@ int kernel_bench(int argc, char** argv) {
                                   {"growth", "(RSS/S)", 8},
                                   {"time", "(ms)", 10}});
   std::printf(
-      "# (d) peak RSS (ru_maxrss) after one causal run, B=1 H=1 D=%lld %s; measured "
+      "# (f) peak RSS (ru_maxrss) after one causal run, B=1 H=1 D=%lld %s; measured "
       "first, base %.1f MiB\n",
       static_cast<long long>(o.head_dim), dattn::dtype_name(o.dtype), base_mib);
   mem.print_heading(stdout);
@@ -453,8 +490,9 @@ int kernel_bench(int argc, char** argv) {
     };
     const std::vector<std::string> jrows = {
         row("kernel", attn, attn_shape).add("gflops", attn.gflops).str(),
+        row("kernel_backward", bwd, attn_shape).add("gflops", bwd.gflops).str(),
         row("sgemm", gemm, gemm_shape).add("n", o.gemm_n).add("gflops", gemm.gflops).str()};
-    dattn::report::JsonObject cfg, g, a, top;
+    dattn::report::JsonObject cfg, g, a, bw, top;
     cfg.add("program", "dattn-kernel-bench")
         .add("version", DATTN_VERSION)
         .add("threads", o.threads)
@@ -467,6 +505,11 @@ int kernel_bench(int argc, char** argv) {
         .add("gemm_n", o.gemm_n);
     g.add("n", o.gemm_n).add("best_ms", gemm.best_ms).add("gflops", gemm.gflops);
     a.add("best_ms", attn.best_ms).add("gflops", attn.gflops);
+    bw.add("best_ms", bwd.best_ms)
+        .add("gflops", bwd.gflops)
+        .add("ratio", bwd_ratio)
+        .add("target", 0.35)
+        .add("pass", bwd_pass);
     top.add_raw("config", cfg.str())
         .add_raw("rows", dattn::report::json_array(jrows))
         .add_raw("sgemm", g.str())
@@ -474,6 +517,7 @@ int kernel_bench(int argc, char** argv) {
         .add("ratio", ratio)
         .add("target", 0.50)
         .add("pass", pass)
+        .add_raw("backward", bw.str())
         .add("rss_base_mib", base_mib)
         .add_raw("rss", dattn::report::json_array(jrss));
     dattn::report::write_text_file(o.json, top.str());

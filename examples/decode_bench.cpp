@@ -3,6 +3,8 @@
 // decodes S_q new tokens per step: per-step latency (max over ranks; mean, p50, p99), the bytes
 // each rank sent against decode_send_bytes, the strategy's extra memory by model and peak RSS,
 // and, with --check, one step compared against a float64 attention over the whole context.
+// Ranks form a cp x tp grid: tensor parallelism splits the heads, each tp slice decodes its heads
+// over its cp ranks; --dry-run prints every rank's tokens, heads and bytes without computing.
 #include <mpi.h>
 #include <sys/resource.h>
 
@@ -22,7 +24,9 @@
 #include "examples/bench_reference.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
+#include "launch/options.h"
 #include "launch/program.h"
+#include "launch/progress.h"
 #include "src/attention.h"
 #include "src/decode.h"
 #include "src/error.h"
@@ -63,9 +67,14 @@ struct Options {
   int check = 0;
   int threads = 0;
   std::string json;
+  dattn::LaunchOptions launch;  // --cp, --tp, --device, --dry-run, --config
 
   // Decode steps per strategy: warm-up, timed, and the checked one.
   int steps_total() const { return warmup + steps + (check ? 1 : 0); }
+  int cp() const { return launch.cp; }
+  int tp() const { return launch.tp; }
+  int64_t local_heads() const { return heads / launch.tp; }  // query heads of one tp rank
+  int64_t local_kv_heads() const { return kv_heads / launch.tp; }
 };
 
 int world_rank() {
@@ -128,6 +137,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
+  dattn::add_launch_options(desc, o.launch);
   po::variables_map vm;
   dattn::parse_command_line(argc, argv, desc, vm);
   if (help || version) {
@@ -140,11 +150,14 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
+  dattn::resolve_launch_options(o.launch, 1);
   require_option(o.context >= 1, "--context", o.context, ">= 1");
   require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
   require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
   require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
                  cat(">= 1 and dividing --heads (", o.heads, ")"));
+  require_option(o.kv_heads % o.tp() == 0, "--kv-heads", o.kv_heads,
+                 cat("divisible by --tp (", o.tp(), "): tensor parallelism splits the heads"));
   require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
   require_option(o.new_tokens >= 1, "--new-tokens", o.new_tokens, ">= 1");
   require_option(o.steps >= 1, "--steps", o.steps, ">= 1");
@@ -198,14 +211,15 @@ std::optional<Options> parse_options(int argc, char** argv) {
 enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
 
 // Tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`: [B, n, heads, dim], the same
-// on every rank (the new tokens' K/V and the queries of one decode step).
+// on every rank of a tp slice (the new tokens' K/V and the queries of one decode step); the heads
+// head0 .. head0 + heads - 1 of the global tensor.
 Tensor make_tokens(TensorId id, int64_t pos0, int64_t n, int64_t batch, int64_t heads, int64_t dim,
-                   DType dtype) {
+                   DType dtype, int64_t head0) {
   Tensor t = Tensor::empty({batch, n, heads, dim}, dtype);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos0 + i, h);
+        const uint64_t row = row_key(id, b, pos0 + i, head0 + h);
         const int64_t base = ((b * n + i) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
           t.set(base + d, input_value(row, d, dtype));
@@ -221,10 +235,12 @@ constexpr double kTolAbs = 1e-4, kTolRel = 1e-4;
 // Strategies must agree with each other (the same inputs, merged in different orders).
 constexpr double kSameAbs = 1e-5, kSameRel = 1e-5;
 
-// out [B, S_q, H, D_v] and lse [B, H, S_q] in float64 (lse -inf for a row with no visible key).
+// out [B, S_q, H, D_v] and lse [B, H, S_q] in float64 (lse -inf for a row with no visible key),
+// over all H = --heads heads (every tp rank compares its slice).
 using Reference = dattn::bench::DecodeReference;
 
-// The float64 check of a decode step (examples/bench_reference.h) over the hashed inputs.
+// The float64 check of a decode step (examples/bench_reference.h) over the hashed inputs, with
+// the global heads.
 Reference reference_decode(const Options& o, int64_t length) {
   return dattn::bench::decode_reference(
       {o.batch, o.new_tokens, o.heads, o.kv_heads, o.head_dim}, length, kQ, kK, kV,
@@ -253,15 +269,26 @@ void compare(double got, double ref, double abs, double rel, double& max_err, Ch
   if (!(err <= abs + rel * std::abs(ref))) s.wrong += 1;
 }
 
-// Every element of this rank's decode result against the float64 reference.
-CheckStats check_against_reference(const dattn::Partial& res, const Reference& ref) {
+// Every element of this rank's decode result (out [B, S_q, H_l, D_v], lse [B, H_l, S_q]: the
+// heads tp_rank * H_l .. of the global ones) against the float64 reference of all heads.
+CheckStats check_against_reference(const dattn::Partial& res, const Reference& ref, int tp_rank) {
   CheckStats s;
   const float* out = res.out.ptr<float>();
   const float* lse = res.lse.ptr<float>();
-  for (size_t i = 0; i < ref.out.size(); ++i)
-    compare(out[i], ref.out[i], kTolAbs, kTolRel, s.max_err_out, s);
-  for (size_t i = 0; i < ref.lse.size(); ++i)
-    compare(lse[i], ref.lse[i], kTolAbs, kTolRel, s.max_err_lse, s);
+  const int64_t B = res.out.size(0), Sq = res.out.size(1), Hl = res.out.size(2);
+  const int64_t Dv = res.out.size(3), H = int64_t(ref.lse.size()) / (B * Sq), h0 = tp_rank * Hl;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < Sq; ++j)
+      for (int64_t h = 0; h < Hl; ++h)
+        for (int64_t d = 0; d < Dv; ++d)
+          compare(out[((b * Sq + j) * Hl + h) * Dv + d],
+                  ref.out[size_t(((b * Sq + j) * H + h0 + h) * Dv + d)], kTolAbs, kTolRel,
+                  s.max_err_out, s);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hl; ++h)
+      for (int64_t j = 0; j < Sq; ++j)
+        compare(lse[(b * Hl + h) * Sq + j], ref.lse[size_t((b * H + h0 + h) * Sq + j)], kTolAbs,
+                kTolRel, s.max_err_lse, s);
   return s;
 }
 
@@ -329,6 +356,7 @@ struct Row {
   int64_t context = 0;                         // the prefilled context
   int64_t final_length = 0;                    // tokens in the cache after the last step
   double mean_ms = 0, p50_ms = 0, p99_ms = 0;  // per-step latency, max over ranks
+  double tflops_per_rank = 0;                  // step_flops / cp / mean latency
   double sent_kb = 0, model_kb = 0;  // per rank per timed step, max over ranks (1 KB = 1e3 B)
   double extra_mib = 0, rss_mib = 0;
   uint64_t byte_mismatches = 0;  // (rank, step) pairs whose counted bytes differ from the model
@@ -341,6 +369,14 @@ struct Row {
     return byte_mismatches + (checked ? check.wrong : 0) + (compared ? same.wrong : 0);
   }
 };
+
+// The attention FLOPs of one decode step by model, for the heads of `spec` (one tp rank's):
+// the S_q new queries against the prefilled context, every key visible (the context precedes
+// them); the new tokens' keys among themselves are left out.
+double step_flops(const Options& o, dattn::AttnSpec spec) {
+  spec.mask = dattn::Mask::none();
+  return dattn::attention_flops(o.batch, o.new_tokens, o.context, spec);
+}
 
 // Nearest-rank percentile of sorted values.
 double percentile(const std::vector<double>& sorted, double p) {
@@ -365,6 +401,8 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
   const bool root = rt.rank() == 0;
   const int64_t Sq = o.new_tokens, B = o.batch;
   const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  // This tp rank's heads of the global tensors.
+  const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G;
   const int node_size = model_node_size(rt, o);
   const char* name = dattn::strategy_name(strategy);
   Row row;
@@ -383,8 +421,8 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
           name, static_cast<long long>(o.context), shard_mib);
       std::fflush(stdout);
     }
-    const Tensor k = make_shard(kK, layout, r, B, G, D, o.dtype);
-    const Tensor v = make_shard(kV, layout, r, B, G, Dv, o.dtype);
+    const Tensor k = make_shard(kK, layout, r, B, G, D, o.dtype, hk0);
+    const Tensor v = make_shard(kV, layout, r, B, G, Dv, o.dtype, hk0);
     cache.prefill(k, v, layout);
   }
   if (root) {
@@ -396,15 +434,16 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
   std::vector<double> times;
   uint64_t sent_sum = 0, model_sum = 0, mismatches = 0;
   dattn::Partial res;
+  dattn::Progress progress(root, dattn::detail::cat("decode ", name), o.steps_total(), "steps");
   for (int step = 0; step < o.steps_total(); ++step) {
     const bool timed = step >= o.warmup && step < o.warmup + o.steps;
     const int64_t pos0 = cache.length();
     {
-      const Tensor k_new = make_tokens(kK, pos0, Sq, B, G, D, o.dtype);
-      const Tensor v_new = make_tokens(kV, pos0, Sq, B, G, Dv, o.dtype);
+      const Tensor k_new = make_tokens(kK, pos0, Sq, B, G, D, o.dtype, hk0);
+      const Tensor v_new = make_tokens(kV, pos0, Sq, B, G, Dv, o.dtype, hk0);
       cache.append(k_new, v_new);
     }
-    const Tensor q = make_tokens(kQ, pos0, Sq, B, H, D, o.dtype);
+    const Tensor q = make_tokens(kQ, pos0, Sq, B, H, D, o.dtype, hq0);
     rt.reset_counters();
     rt.world().barrier();
     const double t0 = MPI_Wtime();
@@ -418,6 +457,7 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
       sent_sum += sent;
       model_sum += model;
     }
+    progress.step();
   }
   row.final_length = cache.length();
 
@@ -431,6 +471,7 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
   row.mean_ms = total / double(times.size()) * 1e3;
   row.p50_ms = percentile(times, 50) * 1e3;
   row.p99_ms = percentile(times, 99) * 1e3;
+  row.tflops_per_rank = step_flops(o, spec) / P / (row.mean_ms * 1e-3) / 1e12;
   row.sent_kb = double(allreduce_u64(sent_sum, MPI_MAX)) / o.steps / 1e3;
   row.model_kb = double(allreduce_u64(model_sum, MPI_MAX)) / o.steps / 1e3;
   row.byte_mismatches = allreduce_u64(mismatches, MPI_SUM);
@@ -438,7 +479,7 @@ Row run_strategy(dattn::Runtime& rt, const Options& o, Strategy strategy, const 
   row.rss_mib = allreduce_max(peak_rss_mib());
 
   if (ref) {
-    const CheckStats c = check_against_reference(res, *ref);
+    const CheckStats c = check_against_reference(res, *ref, rt.tp_rank());
     row.checked = true;
     row.check.checked = allreduce_u64(c.checked, MPI_SUM);
     row.check.wrong = allreduce_u64(c.wrong, MPI_SUM);
@@ -474,20 +515,27 @@ void print_row(const Row& r) {
   std::fflush(stdout);
 }
 
-std::string row_json(const Row& r) {
-  dattn::report::JsonObject j;
-  j.add("strategy", dattn::strategy_name(r.strategy))
-      .add("context", r.context)
-      .add("final_length", r.final_length)
-      .add("mean_ms", r.mean_ms)
+// The common row keys (report::ResultRow: seq = the context, time_ms = the mean step latency,
+// MB per rank per step), then the decode row's own.
+std::string row_json(const Options& o, int ranks, const Row& r) {
+  dattn::report::ResultRow c;
+  c.workload = "decode";
+  c.strategy = dattn::strategy_name(r.strategy);
+  c.layout = o.layout;
+  c.seq = r.context;
+  c.ranks = ranks;
+  c.time_ms = r.mean_ms;
+  c.tflops_per_rank = r.tflops_per_rank;
+  c.sent_mb_per_rank = r.sent_kb / 1e3;
+  c.model_mb_per_rank = r.model_kb / 1e3;
+  c.wrong = int64_t(r.wrong());
+  dattn::report::JsonObject j = dattn::report::result_row(c);
+  j.add("final_length", r.final_length)
       .add("p50_ms", r.p50_ms)
       .add("p99_ms", r.p99_ms)
-      .add("sent_kb_per_rank_per_step", r.sent_kb)
-      .add("model_kb_per_rank_per_step", r.model_kb)
       .add("extra_mib_model", r.extra_mib)
       .add("rss_mib", r.rss_mib)
-      .add("byte_mismatches", int64_t(r.byte_mismatches))
-      .add("wrong", int64_t(r.wrong()));
+      .add("byte_mismatches", int64_t(r.byte_mismatches));
   if (r.checked) {
     j.add("checked_elements", int64_t(r.check.checked))
         .add("wrong_vs_float64", int64_t(r.check.wrong))
@@ -523,6 +571,150 @@ std::optional<Ratio> ratio_vs(const std::vector<Row>& rows, Strategy other) {
   return q;
 }
 
+// ================================================================== dry run
+
+// The spec of one tp rank: its share of the heads, causal.
+dattn::AttnSpec make_spec(const Options& o) {
+  dattn::AttnSpec spec;
+  spec.heads_q = o.local_heads();
+  spec.heads_kv = o.local_kv_heads();
+  spec.head_dim = o.head_dim;
+  spec.mask = dattn::Mask::causal();
+  spec.validate();
+  return spec;
+}
+
+// --dry-run: every rank's prefilled tokens (runs of global positions), the decoded tokens the
+// placement gives it, its heads and its bytes per timed step for each strategy by
+// decode_send_bytes; nothing is computed. Printed by rank 0 only; needs no Runtime, so
+// --world-size can plan for more ranks than the job has. The byte model reads the cache's runs,
+// so the plan builds the cache of one rank (the one with the fewest context tokens: its K/V
+// buffers are allocated, never filled with inputs) and appends the run's steps to it.
+void print_plan(const Options& o) {
+  using dattn::detail::cat;
+  using dattn::report::fixed;
+  const double start = MPI_Wtime();
+  const auto range = [](int64_t first, int64_t n) {
+    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
+  };
+  const int W = o.launch.world, P = o.cp(), T = o.tp();
+  const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads(), Sq = o.new_tokens, B = o.batch;
+  const dattn::AttnSpec spec = make_spec(o);
+  const Layout layout = Layout::make(o.layout, o.context, P);
+  // The model's tree: --node-size N declares nodes of N cp ranks; 0 means the job's real nodes,
+  // unknown before it runs: the plan takes one node (the flat tree).
+  const int node_size = o.node_size;
+  const bool two_level = node_size > 0 && node_size < P;
+  std::string strategies;
+  for (Strategy s : o.strategies)
+    strategies += cat(strategies.empty() ? "" : ",", dattn::strategy_name(s));
+
+  std::printf("# dattn decode plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
+  std::printf(
+      "# world %d ranks = cp %d x tp %d (tp is the fastest rank index); strategies %s; context "
+      "%lld layout %s placement %s; dtype %s; batch %lld heads %lld kv-heads %lld head-dim %lld; "
+      "new-tokens %lld steps %d warmup %d check %d\n",
+      W, P, T, strategies.c_str(), static_cast<long long>(o.context), o.layout.c_str(),
+      dattn::placement_name(o.placement), dattn::dtype_name(o.dtype), static_cast<long long>(B),
+      static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
+      static_cast<long long>(o.head_dim), static_cast<long long>(Sq), o.steps, o.warmup, o.check);
+  const std::string tree =
+      two_level ? cat("tree two-level, nodes of ", node_size, " cp ranks (--node-size)")
+      : node_size > 0
+          ? cat("tree flat (--node-size ", node_size, " >= cp ranks: one node)")
+          : std::string(
+                "tree flat if the cp ranks share a node (--node-size 0: the real nodes; "
+                "the plan assumes one)");
+  std::printf(
+      "# communicators: %d cp group(s) of %d ranks (cp group t: world ranks t, t+%d, ...); "
+      "%d tp group(s) of %d consecutive ranks; %s\n",
+      T, P, T, P, T, tree.c_str());
+  std::printf(
+      "# device: %s\n",
+      o.launch.device == "cpu"
+          ? "cpu on every rank"
+          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
+                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
+                .c_str());
+  const double flops = step_flops(o, spec);
+  std::printf(
+      "# per step: %.6f GFLOP of attention per tp slice (model: %lld new queries against the "
+      "%lld context tokens, all visible), %.6f GFLOP per rank over the cp ranks; %d warm-up + "
+      "%d timed%s steps\n",
+      flops / 1e9, static_cast<long long>(Sq), static_cast<long long>(o.context), flops / P / 1e9,
+      o.warmup, o.steps, o.check ? " + 1 checked" : "");
+
+  // The cache of the rank with the fewest context tokens, then the run's appends: the model
+  // bytes of every rank at every timed step (the bench's model column: their mean per step).
+  int mine = 0;
+  for (int c = 1; c < P; ++c)
+    if (layout.local_len(c) < layout.local_len(mine)) mine = c;
+  const int64_t capacity = layout.max_local_len() + int64_t(o.steps_total()) * Sq;
+  dattn::KvCache cache(P, mine, spec, B, o.dtype, capacity, o.placement);
+  {
+    const int64_t n = layout.local_len(mine);
+    cache.prefill(Tensor::empty({B, n, Gl, o.head_dim}, o.dtype),
+                  Tensor::empty({B, n, Gl, spec.dim_v()}, o.dtype), layout);
+  }
+  const Tensor k_new = Tensor::zeros({B, Sq, Gl, o.head_dim}, o.dtype);
+  const Tensor v_new = Tensor::zeros({B, Sq, Gl, spec.dim_v()}, o.dtype);
+  const size_t NS = o.strategies.size();
+  std::vector<double> model(size_t(P) * NS, 0.0);  // [cp rank][strategy], bytes summed
+  for (int step = 0; step < o.steps_total(); ++step) {
+    cache.append(k_new, v_new);
+    if (step < o.warmup || step >= o.warmup + o.steps) continue;
+    for (int c = 0; c < P; ++c)
+      for (size_t i = 0; i < NS; ++i)
+        model[size_t(c) * NS + i] +=
+            double(dattn::decode_send_bytes(o.strategies[i], cache, Sq, node_size, c));
+  }
+  std::vector<dattn::report::Column> cols = {{"rank", "", 6},
+                                             {"cp", "", 5},
+                                             {"tp", "", 4},
+                                             {"context", "(tokens)", 9},
+                                             {"decoded", "(tokens)", 9},
+                                             {"q_heads", "", 9},
+                                             {"kv_heads", "", 9}};
+  for (Strategy s : o.strategies)
+    cols.push_back({dattn::strategy_name(s), "(KB/step)", 12});
+  cols.push_back({"decoded at", "(positions)", 20});
+  cols.push_back({"context at", "(positions, runs)", 0});
+  const dattn::report::Table t(cols);
+  std::printf(
+      "# per rank: context tokens prefilled (%s layout), decoded tokens kept over the run's %d "
+      "steps (%s placement), model bytes sent per timed step (decode_send_bytes, 1 KB = 1e3 B):\n",
+      o.layout.c_str(), o.steps_total(), dattn::placement_name(o.placement));
+  t.print_heading(stdout);
+  for (int c = 0; c < P; ++c) {
+    const auto& runs = cache.runs(c);
+    size_t prompt = 0;  // the context's runs come first, then one run of decoded tokens
+    for (const dattn::Run& run : layout.runs(c))
+      if (run.length > 0) prompt += 1;
+    std::vector<std::string> ctx, dec;
+    int64_t decoded = 0;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      (i < prompt ? ctx : dec).push_back(dattn::report::run_desc(runs[i]));
+      if (i >= prompt) decoded += runs[i].length;
+    }
+    std::vector<std::string> cells = {
+        "", std::to_string(c), "", std::to_string(layout.local_len(c)), std::to_string(decoded), "",
+        ""};
+    for (size_t i = 0; i < NS; ++i)
+      cells.push_back(fixed(model[size_t(c) * NS + i] / o.steps / 1e3, 3));
+    cells.push_back(dec.empty() ? "-" : dattn::report::join(dec, " "));
+    cells.push_back(ctx.empty() ? "-" : dattn::report::join(ctx, " "));
+    for (int tp = 0; tp < T; ++tp) {
+      cells[0] = std::to_string(c * T + tp);
+      cells[2] = std::to_string(tp);
+      cells[5] = range(tp * Hl, Hl);
+      cells[6] = range(tp * Gl, Gl);
+      t.print_row(stdout, cells);
+    }
+  }
+  std::printf("# planned %d ranks in %.3f s\n", W, MPI_Wtime() - start);
+  std::fflush(stdout);
+}
+
 // ================================================================== main
 
 int decode_bench(int argc, char** argv) {
@@ -532,19 +724,22 @@ int decode_bench(int argc, char** argv) {
   using dattn::detail::cat;
   using dattn::report::fixed;
 
+  if (o.launch.dry_run) {
+    if (world_rank() == 0) print_plan(o);
+    return 0;
+  }
+
   dattn::RuntimeOptions ropts;
+  ropts.cp = o.cp();
+  ropts.tp = o.tp();
+  ropts.device = o.launch.dev;
   ropts.threads = o.threads;
   ropts.node_size = o.node_size;
   dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
   const int P = rt.cp_size(), T = rt.threads();
   const bool root = rt.rank() == 0;
 
-  dattn::AttnSpec spec;
-  spec.heads_q = o.heads;
-  spec.heads_kv = o.kv_heads;
-  spec.head_dim = o.head_dim;
-  spec.mask = dattn::Mask::causal();
-  spec.validate();
+  const dattn::AttnSpec spec = make_spec(o);
   const Layout layout = Layout::make(o.layout, o.context, P);
 
   const int model_nodes = model_node_size(rt, o);
@@ -557,9 +752,9 @@ int decode_bench(int argc, char** argv) {
     strategies += cat(strategies.empty() ? "" : ",", dattn::strategy_name(s));
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
   const std::vector<std::string> config = {
-      cat("ranks ", rt.size(), " threads/rank ", T, " strategies ", strategies, " context ",
-          o.context, " layout ", o.layout, " placement ", dattn::placement_name(o.placement),
-          " mask causal dtype ", dattn::dtype_name(o.dtype)),
+      cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ", T,
+          " strategies ", strategies, " context ", o.context, " layout ", o.layout, " placement ",
+          dattn::placement_name(o.placement), " mask causal dtype ", dattn::dtype_name(o.dtype)),
       cat("batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim,
           " new-tokens ", o.new_tokens, " steps ", o.steps, " warmup ", o.warmup, " check ",
           o.check, " node-size ", o.node_size, " tree ", tree_form)};
@@ -615,9 +810,9 @@ int decode_bench(int argc, char** argv) {
   }
   const std::optional<Ratio> vs_ring = ratio_vs(rows, Strategy::ring);
   const std::optional<Ratio> vs_allgather = ratio_vs(rows, Strategy::allgather);
-  const bool target_config = P == 4 && o.context == 262144 && o.dtype == DType::f32 &&
-                             o.heads == 8 && o.kv_heads == 2 && o.head_dim == 128 &&
-                             o.new_tokens == 1 && o.batch == 1;
+  const bool target_config = P == 4 && rt.tp_size() == 1 && o.context == 262144 &&
+                             o.dtype == DType::f32 && o.heads == 8 && o.kv_heads == 2 &&
+                             o.head_dim == 128 && o.new_tokens == 1 && o.batch == 1;
   const bool target_met = vs_ring && vs_ring->mean >= 8 && vs_ring->bytes >= 100;
 
   if (root) {
@@ -702,7 +897,7 @@ int decode_bench(int argc, char** argv) {
           .add("with_nccl", bool(DATTN_WITH_NCCL));
       std::vector<std::string> jrows;
       for (const Row& r : rows)
-        jrows.push_back(row_json(r));
+        jrows.push_back(row_json(o, rt.size(), r));
       dattn::report::JsonObject top;
       top.add_raw("config", cfg.str())
           .add_raw("rows", dattn::report::json_array(jrows))

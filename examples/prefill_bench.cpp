@@ -15,7 +15,6 @@
 #include <iostream>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -830,22 +829,6 @@ struct Comparison {
 
 // ================================================================== dry run
 
-std::string join(const std::vector<std::string>& items, const char* sep) {
-  std::ostringstream out;
-  for (size_t i = 0; i < items.size(); ++i)
-    out << (i ? sep : "") << items[i];
-  return out.str();
-}
-
-// A run's global positions: "0-1023" for a contiguous run, "5-4093/4" for every 4th position,
-// "16-31/64x16" for blocks of 16 every 64.
-std::string run_desc(const dattn::Run& run) {
-  using dattn::detail::cat;
-  const std::string range = cat(run.global_begin, "-", run.last_position());
-  if (run.length <= run.block || run.stride == run.block) return range;
-  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
-}
-
 // --dry-run: the plan of every rank for the largest length (tokens, heads, device, FLOP and byte
 // model) and a summary line per length; nothing is computed. Printed by rank 0 only; needs no
 // Runtime, so --world-size can plan for more ranks than the job has.
@@ -921,8 +904,8 @@ void print_plan(const Options& o) {
                       1e6;
     std::vector<std::string> descs;
     for (const dattn::Run& run : p.layout.runs(c))
-      descs.push_back(run_desc(run));
-    const std::string runs = join(descs, " ");
+      descs.push_back(dattn::report::run_desc(run));
+    const std::string runs = dattn::report::join(descs, " ");
     for (int tp = 0; tp < T; ++tp) {
       t.print_row(stdout, {std::to_string(c * T + tp), std::to_string(c), std::to_string(tp),
                            std::to_string(p.layout.local_len(c)), range(tp * Hl, Hl),

@@ -15,6 +15,7 @@
 #include "collective/mpi_communicator.h"
 #include "launch/program.h"
 #include "src/error.h"
+#include "src/layout.h"
 
 namespace dattn::report {
 
@@ -120,6 +121,22 @@ std::string sci(double v, int precision) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*e", precision, v);
   return buf;
+}
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+std::string run_desc(const Run& run) {
+  using detail::cat;
+  const std::string range = cat(run.global_begin, "-", run.last_position());
+  if (run.length <= run.block || run.stride == run.block) return range;
+  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
 }
 
 // ------------------------------------------------------------------ JSON

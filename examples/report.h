@@ -11,6 +11,10 @@
 #include <utility>
 #include <vector>
 
+namespace dattn {
+struct Run;  // src/layout.h
+}  // namespace dattn
+
 namespace dattn::report {
 
 // ------------------------------------------------------------------ header
@@ -65,6 +69,12 @@ class Table {
 std::string fixed(double v, int precision);
 // v in scientific notation with `precision` digits ("1.23e-05").
 std::string sci(double v, int precision);
+
+// The items joined with sep between them ("a, b, c").
+std::string join(const std::vector<std::string>& items, const char* sep);
+// A run's global positions, for the --dry-run plans: "0-1023" for a contiguous run, "5-4093/4"
+// for every 4th position, "16-31/64x16" for blocks of 16 every 64.
+std::string run_desc(const Run& run);
 
 // ------------------------------------------------------------------ JSON
 

@@ -4,6 +4,8 @@
 // measured against the exact result, with and without an attention sink, with and without the
 // anchor; phase 2 (exact decode steps, the query on the last rank) is timed against tree decode
 // over a cache built the same way and, with --check, compared with it and with float64.
+// Ranks form a cp x tp grid: tensor parallelism splits the heads, each tp slice runs star over
+// its cp ranks; --dry-run prints every rank's block, heads, FLOPs and bytes without computing.
 #include <mpi.h>
 
 #include <algorithm>
@@ -22,7 +24,9 @@
 #include "examples/bench_reference.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
+#include "launch/options.h"
 #include "launch/program.h"
+#include "launch/progress.h"
 #include "src/attention.h"
 #include "src/decode.h"
 #include "src/error.h"
@@ -66,6 +70,12 @@ struct Options {
   int check = 0;
   int threads = 0;
   std::string json;
+  dattn::LaunchOptions launch;  // --cp, --tp, --device, --dry-run, --config
+
+  int cp() const { return launch.cp; }
+  int tp() const { return launch.tp; }
+  int64_t local_heads() const { return heads / launch.tp; }  // query heads of one tp rank
+  int64_t local_kv_heads() const { return kv_heads / launch.tp; }
 };
 
 int world_rank() {
@@ -115,6 +125,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("help,h", po::bool_switch(&help), "print this help")
     ("version,V", po::bool_switch(&version), "print the version");
   // clang-format on
+  dattn::add_launch_options(desc, o.launch);
   po::variables_map vm;
   dattn::parse_command_line(argc, argv, desc, vm);
   if (help || version) {
@@ -127,6 +138,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
+  dattn::resolve_launch_options(o.launch, 1);
   require_option(o.seq >= 1, "--seq", o.seq, ">= 1");
   if (!vm.count("block")) o.block = std::max<int64_t>(1, o.seq / 16);
   require_option(o.block >= 1 && o.block <= o.seq, "--block", o.block,
@@ -138,6 +150,8 @@ std::optional<Options> parse_options(int argc, char** argv) {
   require_option(o.heads >= 1, "--heads", o.heads, ">= 1");
   require_option(o.kv_heads >= 1 && o.heads % o.kv_heads == 0, "--kv-heads", o.kv_heads,
                  cat(">= 1 and dividing --heads (", o.heads, ")"));
+  require_option(o.kv_heads % o.tp() == 0, "--kv-heads", o.kv_heads,
+                 cat("divisible by --tp (", o.tp(), "): tensor parallelism splits the heads"));
   require_option(o.head_dim >= 1, "--head-dim", o.head_dim, ">= 1");
   require_option(o.new_tokens >= 1, "--new-tokens", o.new_tokens, ">= 1");
   require_option(o.steps >= 1, "--steps", o.steps, ">= 1");
@@ -211,9 +225,10 @@ class Inputs {
   std::vector<float> dir_;  // u, [D]
 };
 
-// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`: the heads
+// head0 .. head0 + heads - 1 of the global tensor (a tensor-parallel rank's slice).
 Tensor make_shard(const Inputs& in, TensorId id, const Layout& layout, int rank, int64_t batch,
-                  int64_t heads, int64_t dim) {
+                  int64_t heads, int64_t dim, int64_t head0) {
   const int64_t len = layout.local_len(rank);
   Tensor t = Tensor::empty({batch, len, heads, dim}, in.dtype());
 #pragma omp parallel for collapse(2) schedule(static)
@@ -222,7 +237,7 @@ Tensor make_shard(const Inputs& in, TensorId id, const Layout& layout, int rank,
       const int64_t pos = layout.global_position(rank, i);
       std::vector<float> vals(static_cast<size_t>(dim));
       for (int64_t h = 0; h < heads; ++h) {
-        in.row(id, b, pos, h, dim, vals.data());
+        in.row(id, b, pos, head0 + h, dim, vals.data());
         const int64_t base = ((b * len + i) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
           t.set(base + d, vals[size_t(d)]);
@@ -233,15 +248,16 @@ Tensor make_shard(const Inputs& in, TensorId id, const Layout& layout, int rank,
 }
 
 // Tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`: [B, n, heads, dim], the same
-// on every rank (the new tokens' K/V and the queries of one decode step).
+// on every rank of a tp slice (the new tokens' K/V and the queries of one decode step); the
+// heads head0 .. head0 + heads - 1 of the global tensor.
 Tensor make_tokens(const Inputs& in, TensorId id, int64_t pos0, int64_t n, int64_t batch,
-                   int64_t heads, int64_t dim) {
+                   int64_t heads, int64_t dim, int64_t head0) {
   Tensor t = Tensor::empty({batch, n, heads, dim}, in.dtype());
   std::vector<float> vals(static_cast<size_t>(dim));
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < heads; ++h) {
-        in.row(id, b, pos0 + i, h, dim, vals.data());
+        in.row(id, b, pos0 + i, head0 + h, dim, vals.data());
         const int64_t base = ((b * n + i) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
           t.set(base + d, vals[size_t(d)]);
@@ -269,11 +285,11 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[k - 1];
 }
 
-// The spec of every part: causal, heads and dims from the options.
+// The spec of every part: causal, one tp rank's share of the heads, dims from the options.
 dattn::AttnSpec make_spec(const Options& o) {
   dattn::AttnSpec spec;
-  spec.heads_q = o.heads;
-  spec.heads_kv = o.kv_heads;
+  spec.heads_q = o.local_heads();
+  spec.heads_kv = o.local_kv_heads();
   spec.head_dim = o.head_dim;
   spec.mask = dattn::Mask::causal();
   spec.validate();
@@ -285,19 +301,22 @@ dattn::AttnSpec make_spec(const Options& o) {
 struct TimedRow {
   std::string name;                  // "star", "ring"
   std::string layout;                // "blocks(b=.., a=..)", "zigzag"
+  std::string layout_kind;           // "blocks", "zigzag"
   double time_ms = 0;                // mean over the timed iterations of the slowest rank's mean
   double sent_mb = 0, model_mb = 0;  // per rank per call, max over ranks (1 MB = 1e6 B)
   double gflop_max = 0;              // the FLOP model's max over ranks
   double imbalance = 0;              // its max / mean
   uint64_t byte_mismatches = 0;      // (rank, call) pairs whose counted bytes differ from the model
+  double tflops_per_rank = 0;        // the problem's FLOPs / cp / time (see main)
 };
 
 // Runs `call` warmup + iters times (each after a barrier), counting the bytes of every call
-// against `model` (this rank's model bytes of one call).
+// against `model` (this rank's model bytes of one call). `what` names it in progress lines.
 void time_calls(dattn::Runtime& rt, const Options& o, const std::function<void()>& call,
-                uint64_t model, TimedRow& row) {
+                uint64_t model, TimedRow& row, const std::string& what) {
   double seconds = 0;
   uint64_t sent_sum = 0, mismatches = 0;
+  dattn::Progress progress(rt.rank() == 0, what, o.warmup + o.iters);
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     const bool timed = it >= o.warmup;
     rt.reset_counters();
@@ -311,6 +330,7 @@ void time_calls(dattn::Runtime& rt, const Options& o, const std::function<void()
       seconds += t;
       sent_sum += sent;
     }
+    progress.step();
   }
   row.time_ms = allreduce_max(seconds / o.iters) * 1e3;
   row.sent_mb = double(allreduce_u64(sent_sum, MPI_MAX)) / o.iters / 1e6;
@@ -318,8 +338,8 @@ void time_calls(dattn::Runtime& rt, const Options& o, const std::function<void()
   row.byte_mismatches = allreduce_u64(mismatches, MPI_SUM);
 }
 
-// max and max/mean over the ranks of a per-rank FLOP model.
-void flop_model(int P, const std::function<double(int)>& flops, TimedRow& row) {
+// max and max/mean over the ranks of a per-rank FLOP model; returns the sum.
+double flop_model(int P, const std::function<double(int)>& flops, TimedRow& row) {
   double max = 0, sum = 0;
   for (int r = 0; r < P; ++r) {
     const double f = flops(r);
@@ -328,6 +348,7 @@ void flop_model(int P, const std::function<double(int)>& flops, TimedRow& row) {
   }
   row.gflop_max = max / 1e9;
   row.imbalance = sum > 0 ? max / (sum / P) : 1.0;
+  return sum;
 }
 
 // ================================================================== phase 1: accuracy
@@ -393,16 +414,19 @@ std::vector<AccRow> run_accuracy(dattn::Runtime& rt, const Options& o, const dat
   const Layout layout = Layout::blocks(S, P, block);
   const int64_t B = o.batch, H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim;
   const int64_t Dv = spec.dim_v();
+  const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G;  // this tp rank's heads
   std::vector<double> sinks = {o.sink};
   if (o.sink != 0) sinks.push_back(0.0);
   std::vector<int64_t> anchors = {anchor};
   if (anchor != 0) anchors.push_back(0);
   std::vector<AccRow> rows;
+  dattn::Progress progress(root, "star accuracy", int64_t(sinks.size() * (1 + anchors.size())),
+                           "calls");
   for (double sink : sinks) {
     const Inputs in(o.dtype, sink, D);
-    const Tensor q = make_shard(in, kQ, layout, r, B, H, D);
-    const Tensor k = make_shard(in, kK, layout, r, B, G, D);
-    const Tensor v = make_shard(in, kV, layout, r, B, G, Dv);
+    const Tensor q = make_shard(in, kQ, layout, r, B, H, D, hq0);
+    const Tensor k = make_shard(in, kK, layout, r, B, G, D, hk0);
+    const Tensor v = make_shard(in, kV, layout, r, B, G, Dv, hk0);
     if (root) {
       std::printf("# accuracy: %s, exact attention (ring over %s) ...\n",
                   sink != 0 ? dattn::detail::cat("sink ", sink).c_str() : "no sink",
@@ -410,6 +434,7 @@ std::vector<AccRow> run_accuracy(dattn::Runtime& rt, const Options& o, const dat
       std::fflush(stdout);
     }
     const dattn::Partial exact = dattn::attention(rt, q, k, v, spec, layout, Strategy::ring);
+    progress.step();
     for (int64_t a : anchors) {
       rt.reset_counters();
       const dattn::Partial star = dattn::star_prefill(rt, q, k, v, spec, layout, a);
@@ -421,6 +446,7 @@ std::vector<AccRow> run_accuracy(dattn::Runtime& rt, const Options& o, const dat
       row.anchor = a;
       row.byte_mismatches = allreduce_u64(sent != model ? 1 : 0, MPI_SUM);
       rows.push_back(row);
+      progress.step();
     }
   }
   return rows;
@@ -438,13 +464,30 @@ constexpr double kSameAbs = 1e-5, kSameRel = 1e-5;
 // out [B, S_q, H, D_v] and lse [B, H, S_q] in float64.
 using Reference = dattn::bench::DecodeReference;
 
-// The float64 check of a decode step (examples/bench_reference.h) over these inputs.
-Reference reference_decode(const Options& o, const Inputs& in, int64_t length) {
-  return dattn::bench::decode_reference(
+// The float64 check of a decode step (examples/bench_reference.h) over these inputs, for tp rank
+// tp_rank's heads: computed over all H = --heads heads (collective over every rank), then cut.
+Reference reference_decode(const Options& o, const Inputs& in, int64_t length, int tp_rank) {
+  const Reference all = dattn::bench::decode_reference(
       {o.batch, o.new_tokens, o.heads, o.kv_heads, o.head_dim}, length, kQ, kK, kV,
       [&](uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) {
         in.row(TensorId(id), b, pos, h, dim, out);
       });
+  const int64_t B = o.batch, Sq = o.new_tokens, H = o.heads, Hl = o.local_heads();
+  const int64_t Dv = o.head_dim, h0 = tp_rank * Hl;
+  if (Hl == H) return all;
+  Reference mine;
+  mine.out.reserve(size_t(B * Sq * Hl * Dv));
+  mine.lse.reserve(size_t(B * Hl * Sq));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < Sq; ++j) {
+      const auto first = all.out.begin() + ((b * Sq + j) * H + h0) * Dv;
+      mine.out.insert(mine.out.end(), first, first + Hl * Dv);
+    }
+  for (int64_t b = 0; b < B; ++b) {
+    const auto first = all.lse.begin() + (b * H + h0) * Sq;
+    mine.lse.insert(mine.lse.end(), first, first + Hl * Sq);
+  }
+  return mine;
 }
 
 struct CheckStats {
@@ -490,10 +533,19 @@ struct DecodeRow {
   std::string name;                  // "star", "tree"
   double mean_ms = 0, p50_ms = 0;    // per-step latency, the slowest rank's
   double sent_kb = 0, model_kb = 0;  // per rank per step, max over ranks (1 KB = 1e3 B)
+  double tflops_per_rank = 0;        // step_flops / cp / mean latency
   uint64_t byte_mismatches = 0;      // (rank, step) pairs off the model
   uint64_t wrong_check = 0;          // elements off (star: vs tree and float64; tree: float64)
   uint64_t wrong() const { return byte_mismatches + wrong_check; }
 };
+
+// The attention FLOPs of one phase-2 step by model, for the heads of `spec` (one tp rank's): the
+// S_q new queries against the `context` tokens, every key visible (the context precedes them);
+// the new tokens' keys among themselves are left out.
+double step_flops(const Options& o, dattn::AttnSpec spec, int64_t context) {
+  spec.mask = dattn::Mask::none();
+  return dattn::attention_flops(o.batch, o.new_tokens, context, spec);
+}
 
 struct Phase2 {
   DecodeRow star, tree;
@@ -528,6 +580,7 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
   const bool root = rt.rank() == 0, query_rank = r == P - 1;
   const int64_t Sq = o.new_tokens, B = o.batch;
   const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G;  // this tp rank's heads
   const int node_size = rt.spans_nodes() ? rt.node().size() : 0;
   Phase2 res;
   res.star.name = "star";
@@ -544,8 +597,8 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
   dattn::KvCache star_cache(P, r, spec, B, o.dtype, capacity, dattn::Placement::last_rank);
   dattn::KvCache tree_cache(P, r, spec, B, o.dtype, capacity, dattn::Placement::last_rank);
   {
-    const Tensor k = make_shard(in, kK, layout, r, B, G, D);
-    const Tensor v = make_shard(in, kV, layout, r, B, G, Dv);
+    const Tensor k = make_shard(in, kK, layout, r, B, G, D, hk0);
+    const Tensor v = make_shard(in, kV, layout, r, B, G, Dv, hk0);
     star_cache.prefill(k, v, layout);
     tree_cache.prefill(k, v, layout);
   }
@@ -557,15 +610,16 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
   }
 
   StepAcc star_acc, tree_acc;
+  dattn::Progress progress(root, "star phase 2", o.steps, "steps");
   for (int step = 0; step < o.steps; ++step) {
     const int64_t pos0 = star_cache.length();
     {
-      const Tensor k_new = make_tokens(in, kK, pos0, Sq, B, G, D);
-      const Tensor v_new = make_tokens(in, kV, pos0, Sq, B, G, Dv);
+      const Tensor k_new = make_tokens(in, kK, pos0, Sq, B, G, D, hk0);
+      const Tensor v_new = make_tokens(in, kV, pos0, Sq, B, G, Dv, hk0);
       star_cache.append(k_new, v_new);
       tree_cache.append(k_new, v_new);
     }
-    const Tensor q = make_tokens(in, kQ, pos0, Sq, B, H, D);
+    const Tensor q = make_tokens(in, kQ, pos0, Sq, B, H, D, hq0);
 
     rt.reset_counters();
     rt.world().barrier();
@@ -590,7 +644,7 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
     if (sent != model) tree_acc.mismatches += 1;
 
     if (o.check) {
-      const Reference ref = reference_decode(o, in, star_cache.length());
+      const Reference ref = reference_decode(o, in, star_cache.length(), rt.tp_rank());
       if (query_rank) {
         compare_result(star, as_doubles(tree.out), as_doubles(tree.lse), kSameAbs, kSameRel,
                        res.star_vs_tree);
@@ -598,10 +652,13 @@ Phase2 run_phase2(dattn::Runtime& rt, const Options& o, const dattn::AttnSpec& s
         compare_result(tree, ref.out, ref.lse, kTolAbs, kTolRel, res.tree_vs_ref);
       }
     }
+    progress.step();
   }
   res.final_length = star_cache.length();
   finish_row(o, star_acc, res.star);
   finish_row(o, tree_acc, res.tree);
+  for (DecodeRow* d : {&res.star, &res.tree})
+    d->tflops_per_rank = step_flops(o, spec, res.context) / P / (d->mean_ms * 1e-3) / 1e12;
   for (CheckStats* c : {&res.star_vs_tree, &res.star_vs_ref, &res.tree_vs_ref}) {
     c->checked = allreduce_u64(c->checked, MPI_SUM);
     c->wrong = allreduce_u64(c->wrong, MPI_SUM);
@@ -652,13 +709,23 @@ std::string sink_name(double sink) {
   return sink != 0 ? dattn::detail::cat("sink ", dattn::report::fixed(sink, 1)) : "no sink";
 }
 
-std::string timed_json(const TimedRow& r) {
-  dattn::report::JsonObject j;
-  j.add("strategy", r.name)
-      .add("layout", r.layout)
-      .add("time_ms", r.time_ms)
-      .add("sent_mb_per_rank", r.sent_mb)
-      .add("model_mb_per_rank", r.model_mb)
+// Phase 1 (star_prefill, ring attention) and phase 2 (star_decode, tree decode) rows: the common
+// row keys (report::ResultRow: seq = S, the context of phase 2 too; time_ms = one phase-1 call, or
+// phase 2's mean step latency; MB per rank per call or step), then "phase" and the row's own.
+std::string timed_json(const Options& o, int ranks, const TimedRow& r) {
+  dattn::report::ResultRow c;
+  c.workload = "star";
+  c.strategy = r.name;
+  c.layout = r.layout_kind;
+  c.seq = o.seq;
+  c.ranks = ranks;
+  c.time_ms = r.time_ms;
+  c.tflops_per_rank = r.tflops_per_rank;
+  c.sent_mb_per_rank = r.sent_mb;
+  c.model_mb_per_rank = r.model_mb;
+  c.wrong = int64_t(r.byte_mismatches);
+  dattn::report::JsonObject j = dattn::report::result_row(c);
+  j.add("phase", 1)
       .add("model_gflop_max", r.gflop_max)
       .add("imbalance", r.imbalance)
       .add("byte_mismatches", int64_t(r.byte_mismatches));
@@ -679,16 +746,25 @@ std::string accuracy_json(const AccRow& a) {
   return j.str();
 }
 
-std::string decode_json(const DecodeRow& r) {
-  dattn::report::JsonObject j;
-  j.add("strategy", r.name)
-      .add("mean_ms", r.mean_ms)
+std::string decode_json(int ranks, const Phase2& p2, const DecodeRow& r) {
+  dattn::report::ResultRow c;
+  c.workload = "star";
+  // "star_decode", not "star": a series is (workload, strategy, layout, ranks) for the plotting
+  // script, and phase 1's star row has the same layout.
+  c.strategy = r.name == "star" ? "star_decode" : r.name;
+  c.layout = "blocks";  // both caches hold the phase-1 blocks
+  c.seq = p2.context;
+  c.ranks = ranks;
+  c.time_ms = r.mean_ms;
+  c.tflops_per_rank = r.tflops_per_rank;
+  c.sent_mb_per_rank = r.sent_kb / 1e3;
+  c.model_mb_per_rank = r.model_kb / 1e3;
+  c.wrong = int64_t(r.wrong());
+  dattn::report::JsonObject j = dattn::report::result_row(c);
+  j.add("phase", 2)
       .add("p50_ms", r.p50_ms)
-      .add("sent_kb_per_rank_per_step", r.sent_kb)
-      .add("model_kb_per_rank_per_step", r.model_kb)
       .add("byte_mismatches", int64_t(r.byte_mismatches))
-      .add("wrong_check", int64_t(r.wrong_check))
-      .add("wrong", int64_t(r.wrong()));
+      .add("wrong_check", int64_t(r.wrong_check));
   return j.str();
 }
 
@@ -701,6 +777,122 @@ std::string check_json(const CheckStats& c) {
   return j.str();
 }
 
+// ================================================================== dry run
+
+// --dry-run: every rank's block of the context (Layout::blocks), whether it holds the anchor,
+// its heads, its phase-1 FLOPs and bytes (star_prefill_flops, star_prefill_send_bytes) and its
+// bytes per phase-2 step (star_decode_send_bytes, with tree decode's decode_send_bytes beside
+// it); nothing is computed. Printed by rank 0 only; needs no Runtime, so --world-size can plan
+// for more ranks than the job has.
+void print_plan(const Options& o) {
+  using dattn::detail::cat;
+  using dattn::report::fixed;
+  const double start = MPI_Wtime();
+  const auto range = [](int64_t first, int64_t n) {
+    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
+  };
+  const int W = o.launch.world, P = o.cp(), T = o.tp();
+  const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads(), S = o.seq, B = o.batch;
+  const int64_t Sq = o.new_tokens;
+  const dattn::AttnSpec spec = make_spec(o);
+  const Layout blocks = Layout::blocks(S, P, o.block);
+  // Phase 2's byte models read the cache's ranks, heads, batch and dtype, not its tokens: an
+  // empty cache serves.
+  const dattn::KvCache cache(P, 0, spec, B, o.dtype, 0, dattn::Placement::last_rank);
+
+  std::printf("# dattn star plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
+  std::printf(
+      "# world %d ranks = cp %d x tp %d (tp is the fastest rank index); seq %lld block %lld "
+      "anchor %lld; mask causal dtype %s; batch %lld heads %lld kv-heads %lld head-dim %lld; "
+      "iters %d warmup %d new-tokens %lld steps %d\n",
+      W, P, T, static_cast<long long>(S), static_cast<long long>(o.block),
+      static_cast<long long>(o.anchor), dattn::dtype_name(o.dtype), static_cast<long long>(B),
+      static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
+      static_cast<long long>(o.head_dim), o.iters, o.warmup, static_cast<long long>(Sq), o.steps);
+  std::printf(
+      "# communicators: %d cp group(s) of %d ranks (cp group t: world ranks t, t+%d, ...); "
+      "%d tp group(s) of %d consecutive ranks; phase 2's query rank: cp rank %d of each cp "
+      "group\n",
+      T, P, T, P, T, P - 1);
+  std::printf(
+      "# device: %s\n",
+      o.launch.device == "cpu"
+          ? "cpu on every rank"
+          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
+                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
+                .c_str());
+  std::vector<double> flops(static_cast<size_t>(P));
+  double sum = 0, max = 0;
+  uint64_t anchor_bytes = 0;
+  for (int c = 0; c < P; ++c) {
+    flops[size_t(c)] = dattn::star_prefill_flops(blocks, spec, B, o.anchor, c);
+    sum += flops[size_t(c)];
+    max = std::max(max, flops[size_t(c)]);
+    anchor_bytes = std::max(anchor_bytes,
+                            dattn::star_prefill_send_bytes(blocks, spec, B, o.dtype, o.anchor, c));
+  }
+  std::printf(
+      "# phase 1, star_prefill over %s: %.3f TFLOP in all (model: exact visible pairs), per rank "
+      "max %.3f GFLOP, imbalance %.3f; the anchor's K/V sent once, %.3f MB per tp slice\n",
+      blocks.str().c_str(), sum * T / 1e12, max / 1e9, sum > 0 ? max / (sum / P) : 1.0,
+      double(anchor_bytes) / 1e6);
+  std::printf(
+      "# phase 2: %d steps of %lld token(s), both caches last_rank placement (the decoded tokens "
+      "go to cp rank %d); tree bytes for the flat tree (the plan assumes one node)\n",
+      o.steps, static_cast<long long>(Sq), P - 1);
+  const dattn::report::Table t({{"rank", "", 6},
+                                {"cp", "", 5},
+                                {"tp", "", 4},
+                                {"tokens", "(local)", 9},
+                                {"blocks", "", 7},
+                                {"anchor", "", 7},
+                                {"q_heads", "", 9},
+                                {"kv_heads", "", 9},
+                                {"phase 1", "(GFLOP)", 11},
+                                {"phase 1", "(send MB)", 10},
+                                {"star", "(KB/step)", 10},
+                                {"tree", "(KB/step)", 10},
+                                {"global positions", "(runs)", 0}});
+  std::printf("# per rank (anchor: holds = it holds the context's first tokens and sends them):\n");
+  t.print_heading(stdout);
+  for (int c = 0; c < P; ++c) {
+    const int64_t len = blocks.local_len(c);
+    std::vector<std::string> descs;
+    bool anchor = false;
+    for (const dattn::Run& run : blocks.runs(c)) {
+      if (run.length == 0) continue;
+      descs.push_back(dattn::report::run_desc(run));
+      anchor = anchor || (run.global_begin == 0 && o.anchor > 0);
+    }
+    const double mb =
+        double(dattn::star_prefill_send_bytes(blocks, spec, B, o.dtype, o.anchor, c)) / 1e6;
+    const double star_kb = double(dattn::star_decode_send_bytes(cache, Sq, c)) / 1e3;
+    const double tree_kb = double(dattn::decode_send_bytes(Strategy::tree, cache, Sq, 0, c)) / 1e3;
+    std::vector<std::string> cells = {"",
+                                      std::to_string(c),
+                                      "",
+                                      std::to_string(len),
+                                      std::to_string((len + o.block - 1) / o.block),
+                                      anchor ? "holds" : "-",
+                                      "",
+                                      "",
+                                      fixed(flops[size_t(c)] / 1e9, 3),
+                                      fixed(mb, 3),
+                                      fixed(star_kb, 3),
+                                      fixed(tree_kb, 3),
+                                      descs.empty() ? "-" : dattn::report::join(descs, " ")};
+    for (int tp = 0; tp < T; ++tp) {
+      cells[0] = std::to_string(c * T + tp);
+      cells[2] = std::to_string(tp);
+      cells[6] = range(tp * Hl, Hl);
+      cells[7] = range(tp * Gl, Gl);
+      t.print_row(stdout, cells);
+    }
+  }
+  std::printf("# planned %d ranks in %.3f s\n", W, MPI_Wtime() - start);
+  std::fflush(stdout);
+}
+
 // ================================================================== main
 
 int star_bench(int argc, char** argv) {
@@ -710,15 +902,23 @@ int star_bench(int argc, char** argv) {
   using dattn::detail::cat;
   using dattn::report::fixed;
   using dattn::report::sci;
+  if (o.launch.dry_run) {
+    if (world_rank() == 0) print_plan(o);
+    return 0;
+  }
 
   dattn::RuntimeOptions ropts;
+  ropts.cp = o.cp();
+  ropts.tp = o.tp();
+  ropts.device = o.launch.dev;
   ropts.threads = o.threads;
   dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
   const int P = rt.cp_size(), r = rt.cp_rank(), T = rt.threads();
   const bool root = rt.rank() == 0;
   const dattn::AttnSpec spec = make_spec(o);
-  const int64_t S = o.seq, B = o.batch, H = o.heads, G = o.kv_heads, D = o.head_dim;
-  const int64_t Dv = spec.dim_v();
+  // H and G: this tp rank's heads, hq0 and hk0 the first of them among the global heads.
+  const int64_t S = o.seq, B = o.batch, H = spec.heads_q, G = spec.heads_kv, D = o.head_dim;
+  const int64_t Dv = spec.dim_v(), hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G;
   const Layout blocks = Layout::blocks(S, P, o.block);
   const Layout zigzag = Layout::zigzag(S, P);
 
@@ -735,11 +935,12 @@ int star_bench(int argc, char** argv) {
 
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
   const std::vector<std::string> config = {
-      cat("ranks ", rt.size(), " threads/rank ", T, " seq ", S, " block ", o.block, " anchor ",
-          o.anchor, " mask causal dtype ", dattn::dtype_name(o.dtype), " sink ", o.sink),
-      cat("batch ", B, " heads ", H, " kv-heads ", G, " head-dim ", D, " iters ", o.iters,
-          " warmup ", o.warmup, " new-tokens ", o.new_tokens, " steps ", o.steps, " check ",
-          o.check),
+      cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ", T, " seq ", S,
+          " block ", o.block, " anchor ", o.anchor, " mask causal dtype ",
+          dattn::dtype_name(o.dtype), " sink ", o.sink),
+      cat("batch ", B, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ", D, " iters ",
+          o.iters, " warmup ", o.warmup, " new-tokens ", o.new_tokens, " steps ", o.steps,
+          " check ", o.check),
       cat("phase 1: star_prefill over ", blocks.str(), " vs ring attention over ", zigzag.str(),
           "; accuracy at seq ", acc_S, " block ", acc_block, " anchor ", acc_anchor,
           acc_scaled ? cat(" (scaled from seq ", S, ": above ", kAccuracyMaxSeq, ")")
@@ -754,22 +955,27 @@ int star_bench(int argc, char** argv) {
   TimedRow star_row, ring_row;
   star_row.name = "star";
   star_row.layout = cat("blocks(b=", o.block, ",a=", o.anchor, ")");
+  star_row.layout_kind = Layout::kind_name(blocks.kind());
   ring_row.name = "ring";
   ring_row.layout = "zigzag";
+  ring_row.layout_kind = Layout::kind_name(zigzag.kind());
   {
     if (root) {
       std::printf("# phase 1: star_prefill, %d warm-up + %d timed ...\n", o.warmup, o.iters);
       std::fflush(stdout);
     }
-    const Tensor q = make_shard(inputs, kQ, blocks, r, B, H, D);
-    const Tensor k = make_shard(inputs, kK, blocks, r, B, G, D);
-    const Tensor v = make_shard(inputs, kV, blocks, r, B, G, Dv);
+    const Tensor q = make_shard(inputs, kQ, blocks, r, B, H, D, hq0);
+    const Tensor k = make_shard(inputs, kK, blocks, r, B, G, D, hk0);
+    const Tensor v = make_shard(inputs, kV, blocks, r, B, G, Dv, hk0);
     time_calls(
         rt, o, [&] { (void)dattn::star_prefill(rt, q, k, v, spec, blocks, o.anchor); },
-        dattn::star_prefill_send_bytes(blocks, spec, B, o.dtype, o.anchor, r), star_row);
-    flop_model(
+        dattn::star_prefill_send_bytes(blocks, spec, B, o.dtype, o.anchor, r), star_row,
+        "star phase 1 star_prefill");
+    const double flops = flop_model(
         P, [&](int rank) { return dattn::star_prefill_flops(blocks, spec, B, o.anchor, rank); },
         star_row);
+    // TFLOP/s per rank: the FLOPs of star's own (approximate) problem, its exact visible pairs.
+    star_row.tflops_per_rank = flops / P / (star_row.time_ms * 1e-3) / 1e12;
   }
   {
     if (root) {
@@ -777,18 +983,22 @@ int star_bench(int argc, char** argv) {
                   o.iters);
       std::fflush(stdout);
     }
-    const Tensor q = make_shard(inputs, kQ, zigzag, r, B, H, D);
-    const Tensor k = make_shard(inputs, kK, zigzag, r, B, G, D);
-    const Tensor v = make_shard(inputs, kV, zigzag, r, B, G, Dv);
+    const Tensor q = make_shard(inputs, kQ, zigzag, r, B, H, D, hq0);
+    const Tensor k = make_shard(inputs, kK, zigzag, r, B, G, D, hk0);
+    const Tensor v = make_shard(inputs, kV, zigzag, r, B, G, Dv, hk0);
     time_calls(
         rt, o, [&] { (void)dattn::attention(rt, q, k, v, spec, zigzag, Strategy::ring); },
-        dattn::attention_send_bytes(Strategy::ring, zigzag, spec, B, o.dtype, 1, r), ring_row);
+        dattn::attention_send_bytes(Strategy::ring, zigzag, spec, B, o.dtype, 1, r), ring_row,
+        "star phase 1 ring attention");
     flop_model(
         P,
         [&](int rank) {
           return dattn::attention_rank_flops(Strategy::ring, zigzag, spec, B, 1, rank);
         },
         ring_row);
+    // As the prefill workload reports it: the causal attention model over all S tokens.
+    ring_row.tflops_per_rank =
+        dattn::attention_flops(B, S, S, spec) / P / (ring_row.time_ms * 1e-3) / 1e12;
   }
   const double measured = ring_row.time_ms / star_row.time_ms;
   const double model_ratio = ring_row.gflop_max / star_row.gflop_max;
@@ -833,7 +1043,8 @@ int star_bench(int argc, char** argv) {
     acc_wrong += a.wrong();
   const uint64_t wrong = star_row.byte_mismatches + ring_row.byte_mismatches + acc_wrong +
                          p2.star.wrong() + p2.tree.wrong();
-  const bool target_config = P == 4 && S == 32768 && o.block == S / 16 && o.anchor == o.block;
+  const bool target_config =
+      P == 4 && rt.tp_size() == 1 && S == 32768 && o.block == S / 16 && o.anchor == o.block;
   if (root) {
     using dattn::report::print_footer_line;
     print_footer_line(stdout, "Out of bounds values",
@@ -912,8 +1123,8 @@ int star_bench(int argc, char** argv) {
           .add("mask", "causal")
           .add("dtype", dattn::dtype_name(o.dtype))
           .add("batch", B)
-          .add("heads", H)
-          .add("kv_heads", G)
+          .add("heads", o.heads)
+          .add("kv_heads", o.kv_heads)
           .add("head_dim", D)
           .add("iters", o.iters)
           .add("warmup", o.warmup)
@@ -924,9 +1135,7 @@ int star_bench(int argc, char** argv) {
           .add("with_cuda", bool(DATTN_WITH_CUDA))
           .add("with_nccl", bool(DATTN_WITH_NCCL));
       dattn::report::JsonObject p1;
-      p1.add_raw("rows", dattn::report::json_array({timed_json(star_row), timed_json(ring_row)}))
-          .add("measured_speedup", measured)
-          .add("model_flop_ratio", model_ratio);
+      p1.add("measured_speedup", measured).add("model_flop_ratio", model_ratio);
       std::vector<std::string> jacc;
       for (const AccRow& a : acc)
         jacc.push_back(accuracy_json(a));
@@ -939,7 +1148,6 @@ int star_bench(int argc, char** argv) {
       dattn::report::JsonObject j2;
       j2.add("context", p2.context)
           .add("final_length", p2.final_length)
-          .add_raw("rows", dattn::report::json_array({decode_json(p2.star), decode_json(p2.tree)}))
           .add("star_over_tree_latency", p2.star.mean_ms / p2.tree.mean_ms);
       if (p2.checked) {
         j2.add_raw("star_vs_tree", check_json(p2.star_vs_tree))
@@ -953,7 +1161,13 @@ int star_bench(int argc, char** argv) {
           .add("this_run_is_target", target_config);
       if (target_config) jt.add("met", measured >= 4);
       dattn::report::JsonObject top;
+      // The rows of both phases (the common keys, then "phase"); the sections below keep the
+      // phases' summaries and the accuracy rows.
+      const std::vector<std::string> rows = {
+          timed_json(o, rt.size(), star_row), timed_json(o, rt.size(), ring_row),
+          decode_json(rt.size(), p2, p2.star), decode_json(rt.size(), p2, p2.tree)};
       top.add_raw("config", cfg.str())
+          .add_raw("rows", dattn::report::json_array(rows))
           .add_raw("phase1", p1.str())
           .add_raw("accuracy", ja.str())
           .add_raw("phase2", j2.str())

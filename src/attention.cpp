@@ -66,6 +66,20 @@ cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, in
   blk.mask = spec.mask;
   return blk;
 }
+
+// Points blk at the query run qr and the key run kr (rows and global positions).
+void set_runs(cpu::AttentionBlock& blk, const Run& qr, const Run& kr) {
+  blk.q_begin = qr.local_begin;
+  blk.q_len = qr.length;
+  blk.q_pos0 = qr.global_begin;
+  blk.q_pos_stride = qr.stride;
+  blk.q_pos_block = qr.block;
+  blk.k_begin = kr.local_begin;
+  blk.k_len = kr.length;
+  blk.k_pos0 = kr.global_begin;
+  blk.k_pos_stride = kr.stride;
+  blk.k_pos_block = kr.block;
+}
 }  // namespace
 
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
@@ -74,17 +88,21 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
   cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
     for (const Run& kr : k_runs) {
-      blk.q_begin = qr.local_begin;
-      blk.q_len = qr.length;
-      blk.q_pos0 = qr.global_begin;
-      blk.q_pos_stride = qr.stride;
-      blk.q_pos_block = qr.block;
-      blk.k_begin = kr.local_begin;
-      blk.k_len = kr.length;
-      blk.k_pos0 = kr.global_begin;
-      blk.k_pos_stride = kr.stride;
-      blk.k_pos_block = kr.block;
+      set_runs(blk, qr, kr);
       cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+    }
+  }
+}
+
+void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                   int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
+                   const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
+                   float* dv) {
+  cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
+      set_runs(blk, qr, kr);
+      cpu::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv);
     }
   }
 }
@@ -134,37 +152,48 @@ uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strat
   return h;
 }
 
+namespace {
+// The Ulysses degree of a call: ring 1, ulysses every cp rank, hybrid the runtime's groups.
+int ulysses_degree_of(Runtime& rt, Strategy strategy) {
+  return strategy == Strategy::ring      ? 1
+         : strategy == Strategy::ulysses ? rt.cp().size()
+                                         : rt.ulysses_degree();
+}
+
+// The checks of one distributed call on this rank (forward and backward alike).
+void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttnSpec& spec, const Layout& layout, Strategy strategy, int U) {
+  check_qkv(q, k, v, spec);
+  DATTN_CHECK_ARG(
+      strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
+      "strategy", strategy_name(strategy),
+      "ring, ulysses or hybrid for attention (tree and allgather are decode "
+      "strategies: dattn::decode)");
+  DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
+                  detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
+                              strategy_name(strategy)));
+  DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),
+                  detail::cat(comm.size(), " (the context-parallel ranks)"));
+  DATTN_CHECK_ARG(layout.global_seq() > 0, "global_seq", layout.global_seq(), "> 0");
+  if (spec.mask.documents)
+    DATTN_CHECK_ARG(spec.mask.documents->back() == layout.global_seq(), "cu_seqlens back",
+                    spec.mask.documents->back(),
+                    detail::cat(layout.global_seq(), " (the layout's global_seq)"));
+  const int64_t local = layout.local_len(comm.rank());
+  DATTN_CHECK_ARG(q.size(1) == local, "q seq", q.size(1),
+                  detail::cat(local, " (this rank's length under ", layout.str(), ")"));
+  DATTN_CHECK_ARG(k.size(1) == local, "k seq", k.size(1),
+                  detail::cat(local, " (this rank's length under ", layout.str(), ")"));
+}
+}  // namespace
+
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy) {
   Communicator& comm = rt.cp();
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
-  // The Ulysses degree: ring 1, ulysses every cp rank, hybrid the runtime's groups.
-  const int U = strategy == Strategy::ring      ? 1
-                : strategy == Strategy::ulysses ? comm.size()
-                                                : rt.ulysses_degree();
-  agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
-    check_qkv(q, k, v, spec);
-    DATTN_CHECK_ARG(
-        strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
-        "strategy", strategy_name(strategy),
-        "ring, ulysses or hybrid for attention (tree and allgather are decode "
-        "strategies: dattn::decode)");
-    DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
-                    detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
-                                strategy_name(strategy)));
-    DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),
-                    detail::cat(comm.size(), " (the context-parallel ranks)"));
-    DATTN_CHECK_ARG(layout.global_seq() > 0, "global_seq", layout.global_seq(), "> 0");
-    if (spec.mask.documents)
-      DATTN_CHECK_ARG(spec.mask.documents->back() == layout.global_seq(), "cu_seqlens back",
-                      spec.mask.documents->back(),
-                      detail::cat(layout.global_seq(), " (the layout's global_seq)"));
-    const int64_t local = layout.local_len(comm.rank());
-    DATTN_CHECK_ARG(q.size(1) == local, "q seq", q.size(1),
-                    detail::cat(local, " (this rank's length under ", layout.str(), ")"));
-    DATTN_CHECK_ARG(k.size(1) == local, "k seq", k.size(1),
-                    detail::cat(local, " (this rank's length under ", layout.str(), ")"));
-  });
+  const int U = ulysses_degree_of(rt, strategy);
+  agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)),
+                      [&] { check_attention_call(comm, q, k, v, spec, layout, strategy, U); });
   if (U == 1) return ring_attention_forward(comm, q, k, v, spec, layout);
   if (strategy == Strategy::ulysses)
     return hybrid_attention_forward(comm, nullptr, q, k, v, spec, layout, comm.rank());
@@ -232,6 +261,32 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
   cpu::attention_backward(blk, dout.data(), dout.dtype(), fwd.lse.ptr<float>(), delta.ptr<float>(),
                           g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>());
   return g;
+}
+
+Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
+                             const Layout& layout, Strategy strategy) {
+  Communicator& comm = rt.cp();
+  const int U = ulysses_degree_of(rt, strategy);
+  const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
+  agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
+    check_attention_call(comm, q, k, v, spec, layout, strategy, U);
+    check_backward_inputs(q, fwd, dout, spec);
+  });
+  // dout in fp32 once: the schedules move and read it as fp32 whatever the storage dtype.
+  const Tensor dout32 = dout.dtype() == DType::f32 ? dout : dout.to(DType::f32);
+  const int64_t B = q.size(0), S = q.size(1);
+  Tensor delta = Tensor::empty({B, spec.heads_q, S}, DType::f32);
+  cpu::attention_backward_delta(dout32.data(), DType::f32, fwd.out.ptr<float>(), B, S, spec.heads_q,
+                                spec.dim_v(), delta.ptr<float>());
+  const float* lse = fwd.lse.ptr<float>();
+  if (U == 1)
+    return ring_attention_backward(comm, q, k, v, dout32, lse, delta.ptr<float>(), spec, layout);
+  if (strategy == Strategy::ulysses)
+    return hybrid_attention_backward(comm, nullptr, q, k, v, dout32, lse, delta.ptr<float>(), spec,
+                                     layout, comm.rank());
+  return hybrid_attention_backward(rt.ulysses_group(), &rt.ring_group(), q, k, v, dout32, lse,
+                                   delta.ptr<float>(), spec, layout, comm.rank());
 }
 
 }  // namespace dattn

@@ -53,6 +53,25 @@ uint64_t ring_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t bat
   return bytes;
 }
 
+uint64_t ring_backward_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                  DType dtype, int rank) {
+  const int P = layout.ranks();
+  const uint64_t grad_row = uint64_t(spec.heads_kv) * uint64_t(spec.head_dim + spec.dim_v()) *
+                            sizeof(float);  // one token of dK and dV
+  uint64_t bytes = ring_send_bytes(layout, spec, batch, dtype, rank);
+  for (int origin = 0; origin < P; ++origin) {
+    const uint64_t block = uint64_t(batch) * uint64_t(layout.local_len(origin)) * grad_row;
+    int last = 0;  // the block is held by origin + s for s = 0 .. last
+    while (ring_forwards(layout, spec.mask, origin, last))
+      ++last;
+    // The accumulator travels every hop the block makes, then goes home from its last holder.
+    for (int s = 0; s < last; ++s)
+      if ((origin + s) % P == rank) bytes += block;
+    if (last > 0 && (origin + last) % P == rank) bytes += block;
+  }
+  return bytes;
+}
+
 namespace {
 // The spec of one Ulysses member: H/U heads, the same scale.
 AttnSpec heads_of_member(const AttnSpec& spec, int U) {
@@ -113,6 +132,30 @@ double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnS
     }
   }
   return flops;
+}
+
+uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
+                                       const AttnSpec& spec, int64_t batch, DType dtype,
+                                       int ulysses, int rank) {
+  const int U = strategy == Strategy::ring ? 1 : ulysses;
+  if (U == 1) return ring_backward_send_bytes(layout, spec, batch, dtype, rank);
+  const AttnSpec sub = heads_of_member(spec, U);
+  const int first = rank - rank % U;
+  const uint64_t esz = dtype_size(dtype), f = sizeof(float), B = uint64_t(batch);
+  const uint64_t hq = uint64_t(sub.heads_q), hkv = uint64_t(sub.heads_kv);
+  const uint64_t D = uint64_t(sub.head_dim), Dv = uint64_t(sub.dim_v());
+  // Q, K, V in the storage dtype; dout, lse and delta in fp32; dq, dk, dv back in fp32.
+  const uint64_t in_row = (hq * D + hkv * D + hkv * Dv) * esz + (hq * Dv + 2 * hq) * f;
+  const uint64_t out_row = (hq * D + hkv * D + hkv * Dv) * f;
+  uint64_t bytes = 0;
+  for (int j = first; j < first + U; ++j) {
+    if (j == rank) continue;
+    bytes += B * uint64_t(layout.local_len(rank)) * in_row;  // my rows of j's heads
+    bytes += B * uint64_t(layout.local_len(j)) * out_row;    // j's rows of my heads, back
+  }
+  if (layout.ranks() / U > 1)
+    bytes += ring_backward_send_bytes(layout.grouped(U), sub, batch, dtype, rank / U);
+  return bytes;
 }
 
 }  // namespace dattn

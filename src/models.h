@@ -37,6 +37,20 @@ uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const Att
 double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnSpec& spec,
                             int64_t batch, int ulysses, int rank);
 
+// Bytes `rank` sends in ring attention backward (src/strategies/ring_backward.cpp): the forward's
+// K/V hops, plus a block's dK|dV accumulator (fp32, H_kv * (D + D_v) per token) on each of those
+// hops, plus the finished accumulator from the block's last holder straight to its owner.
+uint64_t ring_backward_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                  DType dtype, int rank);
+
+// Bytes `rank` sends in one attention_backward call of `strategy` (as attention_send_bytes):
+// Ulysses / hybrid send Q, K, V (storage dtype) with dout, lse and delta (fp32) to the other
+// members of the group, get dq, dk, dv (fp32) back, and hybrid adds the ring backward over the
+// groups.
+uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
+                                       const AttnSpec& spec, int64_t batch, DType dtype,
+                                       int ulysses, int rank);
+
 // Whether, at ring step `step`, the block that started on rank `origin` must be sent on to the
 // next rank: some rank it has still to reach holds a query that sees it. Shared by the ring
 // schedule and its byte model.

@@ -3,7 +3,8 @@
 // heads (K/V with H_kv/U heads: GQA stays unexpanded). The group's sequence is then attended
 // locally (Ulysses: one group) or by ring attention across the R = P/U groups (hybrid), and a
 // second all-to-all returns every rank its own rows for all heads. Q, K and V travel in one
-// all-to-all, out and lse in the other.
+// all-to-all, out and lse in the other. The backward is the same with the all-to-alls
+// transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back.
 #include <cstring>
 #include <vector>
 
@@ -53,69 +54,118 @@ size_t copy_lse(float* lse, int64_t B, int64_t seq, int64_t all_heads, int64_t r
   return off;
 }
 
+// One tensor taking part in an exchange: bshd with `heads` heads per member of `dim` elements of
+// `esz` bytes, or lse-like [B, heads, S] (lse = true, dim 1, fp32).
+struct Part {
+  const void* src;  // to_heads: [B, Sl, U * heads, dim]; back: [B, Sg, heads, dim]
+  void* dst;        // to_heads: [B, Sg, heads, dim];     back: [B, Sl, U * heads, dim]
+  int64_t heads, dim;
+  size_t esz;
+  bool lse = false;
+};
+
+// The group's members: rows[j] = member j's shard length, row0[j] = where it starts in the
+// group's sequence (row0[U] = Sg).
+struct Members {
+  std::vector<int64_t> rows, row0;
+};
+
+// Copies member j's share of one part into (to_buffer) or out of a message buffer. to_heads:
+// the sender holds rows [0, Sl) of all heads and sends heads [j*h, (j+1)*h); the receiver
+// puts them at rows [row0_j, row0_j + rows_j) of its own heads. Back: the reverse.
+size_t copy_share(const Part& p, char* tensor, bool tensor_is_rows, int j, int U, int64_t B,
+                  int64_t Sl, const Members& m, char* buf, bool to_buffer) {
+  const int64_t Sg = m.row0.back();
+  const int64_t seq = tensor_is_rows ? Sl : Sg, all_heads = tensor_is_rows ? U * p.heads : p.heads;
+  const int64_t row0 = tensor_is_rows ? 0 : m.row0[size_t(j)];
+  const int64_t rows = tensor_is_rows ? Sl : m.rows[size_t(j)];
+  const int64_t head0 = tensor_is_rows ? j * p.heads : 0;
+  if (p.lse)
+    return copy_lse(reinterpret_cast<float*>(tensor), B, seq, all_heads, row0, rows, head0, p.heads,
+                    buf, to_buffer);
+  return copy_block(tensor, B, seq, all_heads, row0, rows, head0, p.heads, p.dim, p.esz, buf,
+                    to_buffer);
+}
+
+// One all-to-all over the group moving every part: sequence shards to head shards (to_heads) or
+// back. Each part's bytes per row and member are heads * dim * esz.
+void exchange(Communicator& group, const std::vector<Part>& parts, int64_t B, int64_t Sl,
+              const Members& m, bool to_heads) {
+  const int U = group.size();
+  size_t row_bytes = 0;
+  for (const Part& p : parts)
+    row_bytes += size_t(p.heads * p.dim) * p.esz;
+  std::vector<size_t> send_bytes(static_cast<size_t>(U)), recv_bytes(static_cast<size_t>(U));
+  for (int j = 0; j < U; ++j) {
+    const size_t mine = size_t(B * Sl) * row_bytes;
+    const size_t theirs = size_t(B * m.rows[size_t(j)]) * row_bytes;
+    send_bytes[size_t(j)] = to_heads ? mine : theirs;
+    recv_bytes[size_t(j)] = to_heads ? theirs : mine;
+  }
+  size_t send_total = 0, recv_total = 0;
+  for (int j = 0; j < U; ++j) {
+    send_total += send_bytes[size_t(j)];
+    recv_total += recv_bytes[size_t(j)];
+  }
+  std::vector<char> send(send_total), recv(recv_total);
+  size_t off = 0;
+  for (int j = 0; j < U; ++j)
+    for (const Part& p : parts)
+      off += copy_share(p, static_cast<char*>(const_cast<void*>(p.src)), to_heads, j, U, B, Sl, m,
+                        send.data() + off, true);
+  group.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
+  off = 0;
+  for (int j = 0; j < U; ++j)
+    for (const Part& p : parts)
+      off += copy_share(p, static_cast<char*>(p.dst), !to_heads, j, U, B, Sl, m, recv.data() + off,
+                        false);
+}
+
+Members members_of(const Communicator& group, const Layout& layout, int cp_rank) {
+  const int U = group.size(), first = cp_rank - group.rank();
+  Members m;
+  m.rows.resize(static_cast<size_t>(U));
+  m.row0.assign(static_cast<size_t>(U) + 1, 0);
+  for (int j = 0; j < U; ++j) {
+    m.rows[size_t(j)] = layout.local_len(first + j);
+    m.row0[size_t(j) + 1] = m.row0[size_t(j)] + m.rows[size_t(j)];
+  }
+  return m;
+}
+
+// The spec of one member's heads (H / U query heads, H_kv / U key/value heads).
+AttnSpec member_spec(const AttnSpec& spec, int U) {
+  AttnSpec sub = spec;
+  sub.heads_q = spec.heads_q / U;
+  sub.heads_kv = spec.heads_kv / U;
+  sub.softmax_scale = spec.scale();
+  return sub;
+}
+
 }  // namespace
 
 Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const Tensor& q,
                                  const Tensor& k, const Tensor& v, const AttnSpec& spec,
                                  const Layout& layout, int cp_rank) {
-  const int U = group.size(), me = group.rank();
-  const int first = cp_rank - me;  // cp rank of the group's first member
+  const int U = group.size();
   const int64_t B = q.size(0), Sl = q.size(1);
-  const int64_t hq = spec.heads_q / U, hkv = spec.heads_kv / U;
-  const int64_t D = spec.head_dim, Dv = spec.dim_v();
-  const size_t esz = dtype_size(q.dtype());
+  const AttnSpec sub = member_spec(spec, U);
+  const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
+  const Members m = members_of(group, layout, cp_rank);
+  const int64_t Sg = m.row0.back();
 
-  // Rows of each member and where they start in the group's sequence.
-  std::vector<int64_t> rows(static_cast<size_t>(U)), row0(static_cast<size_t>(U) + 1, 0);
-  for (int j = 0; j < U; ++j) {
-    rows[size_t(j)] = layout.local_len(first + j);
-    row0[size_t(j) + 1] = row0[size_t(j)] + rows[size_t(j)];
-  }
-  const int64_t Sg = row0[size_t(U)];
-
-  // ---- 1. Q, K, V: my rows of member j's heads to member j.
-  const int64_t per_row = hq * D + hkv * D + hkv * Dv;  // elements per row and member
-  std::vector<size_t> send_bytes(static_cast<size_t>(U)), recv_bytes(static_cast<size_t>(U));
-  for (int j = 0; j < U; ++j) {
-    send_bytes[size_t(j)] = size_t(B * Sl * per_row) * esz;
-    recv_bytes[size_t(j)] = size_t(B * rows[size_t(j)] * per_row) * esz;
-  }
-  std::vector<char> send(size_t(B * Sl * per_row) * esz * size_t(U));
-  std::vector<char> recv(size_t(B * Sg * per_row) * esz);
-  size_t off = 0;
-  for (int j = 0; j < U; ++j) {
-    char* buf = send.data() + off;
-    size_t n = copy_block(static_cast<char*>(q.data()), B, Sl, spec.heads_q, 0, Sl, j * hq, hq, D,
-                          esz, buf, true);
-    n += copy_block(static_cast<char*>(k.data()), B, Sl, spec.heads_kv, 0, Sl, j * hkv, hkv, D, esz,
-                    buf + n, true);
-    n += copy_block(static_cast<char*>(v.data()), B, Sl, spec.heads_kv, 0, Sl, j * hkv, hkv, Dv,
-                    esz, buf + n, true);
-    off += n;
-  }
-  group.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
-
+  // 1. Q, K, V: my rows of member j's heads to member j.
   Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());
   Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype());
   Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype());
-  off = 0;
-  for (int j = 0; j < U; ++j) {
-    char* buf = recv.data() + off;
-    const int64_t r0 = row0[size_t(j)], n = rows[size_t(j)];
-    size_t m =
-        copy_block(static_cast<char*>(qg.data()), B, Sg, hq, r0, n, 0, hq, D, esz, buf, false);
-    m += copy_block(static_cast<char*>(kg.data()), B, Sg, hkv, r0, n, 0, hkv, D, esz, buf + m,
-                    false);
-    m += copy_block(static_cast<char*>(vg.data()), B, Sg, hkv, r0, n, 0, hkv, Dv, esz, buf + m,
-                    false);
-    off += m;
-  }
+  exchange(group,
+           {{q.data(), qg.data(), hq, D, esz},
+            {k.data(), kg.data(), hkv, D, esz},
+            {v.data(), vg.data(), hkv, Dv, esz}},
+           B, Sl, m, true);
 
-  // ---- 2. Attention over the group's sequence for my heads: locally, or a ring of groups.
-  AttnSpec sub = spec;
-  sub.heads_q = hq;
-  sub.heads_kv = hkv;
-  sub.softmax_scale = spec.scale();
+  // 2. Attention over the group's sequence for my heads: locally, or a ring of groups.
   const Layout groups = layout.grouped(U);
   Partial part;
   if (ring == nullptr || ring->size() == 1) {
@@ -125,36 +175,68 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
     part = ring_attention_forward(*ring, qg, kg, vg, sub, groups);
   }
 
-  // ---- 3. out and lse: member j's rows of my heads back to member j.
-  const size_t f = sizeof(float);
-  for (int j = 0; j < U; ++j) {
-    send_bytes[size_t(j)] = size_t(B * rows[size_t(j)] * hq * (Dv + 1)) * f;
-    recv_bytes[size_t(j)] = size_t(B * Sl * hq * (Dv + 1)) * f;
-  }
-  send.assign(size_t(B * Sg * hq * (Dv + 1)) * f, 0);
-  recv.assign(size_t(B * Sl * hq * (Dv + 1)) * f * size_t(U), 0);
-  off = 0;
-  for (int j = 0; j < U; ++j) {
-    const int64_t r0 = row0[size_t(j)], n = rows[size_t(j)];
-    char* buf = send.data() + off;
-    size_t m =
-        copy_block(static_cast<char*>(part.out.data()), B, Sg, hq, r0, n, 0, hq, Dv, f, buf, true);
-    m += copy_lse(part.lse.ptr<float>(), B, Sg, hq, r0, n, 0, hq, buf + m, true);
-    off += m;
-  }
-  group.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
-
+  // 3. out and lse: member j's rows of my heads back to member j.
   Partial res{Tensor::empty({B, Sl, spec.heads_q, Dv}, DType::f32),
               Tensor::empty({B, spec.heads_q, Sl}, DType::f32)};
-  off = 0;
-  for (int j = 0; j < U; ++j) {
-    char* buf = recv.data() + off;
-    size_t m = copy_block(static_cast<char*>(res.out.data()), B, Sl, spec.heads_q, 0, Sl, j * hq,
-                          hq, Dv, f, buf, false);
-    m += copy_lse(res.lse.ptr<float>(), B, Sl, spec.heads_q, 0, Sl, j * hq, hq, buf + m, false);
-    off += m;
-  }
+  exchange(group,
+           {{part.out.data(), res.out.data(), hq, Dv, f},
+            {part.lse.data(), res.lse.data(), hq, 1, f, true}},
+           B, Sl, m, false);
   return res;
+}
+
+Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, const Tensor& dout,
+                                    const float* lse, const float* delta, const AttnSpec& spec,
+                                    const Layout& layout, int cp_rank) {
+  const int U = group.size();
+  const int64_t B = q.size(0), Sl = q.size(1);
+  const AttnSpec sub = member_spec(spec, U);
+  const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+  const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
+  const Members m = members_of(group, layout, cp_rank);
+  const int64_t Sg = m.row0.back();
+
+  // 1. The forward's exchange of Q, K, V, plus dout (fp32) and the rows' lse and delta.
+  Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());
+  Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype());
+  Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype());
+  Tensor dog = Tensor::empty({B, Sg, hq, Dv}, DType::f32);
+  Tensor lseg = Tensor::empty({B, hq, Sg}, DType::f32);
+  Tensor deltag = Tensor::empty({B, hq, Sg}, DType::f32);
+  exchange(group,
+           {{q.data(), qg.data(), hq, D, esz},
+            {k.data(), kg.data(), hkv, D, esz},
+            {v.data(), vg.data(), hkv, Dv, esz},
+            {dout.data(), dog.data(), hq, Dv, f},
+            {lse, lseg.data(), hq, 1, f, true},
+            {delta, deltag.data(), hq, 1, f, true}},
+           B, Sl, m, true);
+
+  // 2. The backward over the group's sequence for my heads.
+  const Layout groups = layout.grouped(U);
+  Gradients part;
+  if (ring == nullptr || ring->size() == 1) {
+    part = {Tensor::zeros({B, Sg, hq, D}, DType::f32), Tensor::zeros({B, Sg, hkv, D}, DType::f32),
+            Tensor::zeros({B, Sg, hkv, Dv}, DType::f32)};
+    backward_runs(qg, groups.runs(0), kg.data(), vg.data(), Sg, groups.runs(0), dog,
+                  lseg.ptr<float>(), deltag.ptr<float>(), sub, part.dq.ptr<float>(),
+                  part.dk.ptr<float>(), part.dv.ptr<float>());
+  } else {
+    part = ring_attention_backward(*ring, qg, kg, vg, dog, lseg.ptr<float>(), deltag.ptr<float>(),
+                                   sub, groups);
+  }
+
+  // 3. dq, dk, dv: member j's rows of my heads back to member j.
+  Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32),
+              Tensor::empty({B, Sl, spec.heads_kv, D}, DType::f32),
+              Tensor::empty({B, Sl, spec.heads_kv, Dv}, DType::f32)};
+  exchange(group,
+           {{part.dq.data(), g.dq.data(), hq, D, f},
+            {part.dk.data(), g.dk.data(), hkv, D, f},
+            {part.dv.data(), g.dv.data(), hkv, Dv, f}},
+           B, Sl, m, false);
+  return g;
 }
 
 }  // namespace dattn

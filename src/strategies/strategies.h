@@ -19,6 +19,27 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
                                  const Tensor& k, const Tensor& v, const AttnSpec& spec,
                                  const Layout& layout, int cp_rank);
 
+// Ring attention backward (ring_backward.cpp): K/V blocks travel as in the forward, each with
+// its dK|dV accumulator; the last holder sends it home. lse and delta (= rowsum(dout * out)) are
+// this rank's [B, H_q, S_local] fp32; dout is fp32.
+Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& dout, const float* lse,
+                                  const float* delta, const AttnSpec& spec, const Layout& layout);
+
+// Ulysses / hybrid backward (hybrid.cpp): the forward's all-to-alls transposed.
+Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, const Tensor& q,
+                                    const Tensor& k, const Tensor& v, const Tensor& dout,
+                                    const float* lse, const float* delta, const AttnSpec& spec,
+                                    const Layout& layout, int cp_rank);
+
+// The backward of attend_runs: adds the gradients of q's rows q_runs against the K/V block's rows
+// k_runs to dq [B, S_q, H_q, D] and to the block's dk [B, k_rows, H_kv, D], dv (fp32). dout is
+// fp32 [B, S_q, H_q, D_v]; lse and delta fp32 [B, H_q, S_q].
+void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                   int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
+                   const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
+                   float* dv);
+
 // Attends q's rows q_runs (rows of q and their global positions) to the rows k_runs of a K/V
 // block of k_rows rows per batch entry (bshd, q's dtype), merging into res.
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,

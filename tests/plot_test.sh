@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # ctest plot_charts: launch/plot.py draws the charts of real benchmark JSON.
 #   bash tests/plot_test.sh REPO BIN_DIR
-# Runs three small 2-rank prefill benchmarks (ring, ring zigzag, ulysses) with dattn-run from
-# BIN_DIR, adds a hand-made decode file, runs plot.py on them all and checks that every chart is
-# a PNG of a sane size; then checks that plot.py fails, naming the file, on bad input.
+# Runs three small 2-rank prefill benchmarks (ring, ring zigzag, ulysses) and 2-rank decode runs
+# (tree, ring, allgather) at three contexts with dattn-run from BIN_DIR, runs plot.py on them all
+# and checks that every chart is a PNG of a sane size; then checks that plot.py fails, naming the
+# file, on bad input.
 # Exit status: 0 pass, 1 fail, 77 skipped (/usr/bin/python3 has no matplotlib).
 set -euo pipefail
 
@@ -49,27 +50,18 @@ prefill ring -a ring
 prefill ring_zigzag -a ring -l zigzag
 prefill ulysses -a ulysses -G 2
 
-# TODO(decode rows): the decode workload does not write the common row keys yet. When
-# `dattn-run decode ... -J FILE` writes rows with workload "decode" (seq = context, time_ms =
-# mean step latency), replace this hand-made file by a real 2-rank decode run with the
-# strategies tree, ring and allgather, like the prefill runs above.
-"$python" - "$tmp/decode.json" <<'EOF'
-import json, sys
-rows = []
-for strategy, ms_per_4k, mb in (("tree", 0.05, 0.004), ("ring", 0.08, 0.008),
-                                ("allgather", 0.12, 0.016)):
-    for context in (4096, 16384, 65536):
-        scale = context / 4096
-        rows.append({"workload": "decode", "strategy": strategy, "layout": "", "seq": context,
-                     "ranks": 2, "time_ms": 0.02 + ms_per_4k * scale, "tflops_per_rank": None,
-                     "sent_mb_per_rank": mb if strategy == "tree" else mb * scale,
-                     "model_mb_per_rank": mb, "wrong": None, "extra": {"ignored": True}})
-with open(sys.argv[1], "w") as f:
-    json.dump({"config": {"program": "hand-made"}, "rows": rows}, f, indent=1)
-EOF
+decode() {  # CONTEXT: 2-rank decode of tree, ring and allgather, two timed steps
+  if ! bash "$repo/launch/mpirun.sh" -n 2 "$bin_dir/dattn-run" decode -x "$1" -n 2 -w 0 \
+      -J "$tmp/decode$1.json" >"$tmp/decode$1.log" 2>&1; then
+    cat "$tmp/decode$1.log" >&2
+    fail "dattn-run decode -x $1 failed"
+  fi
+}
+for context in 1024 2048 4096; do decode $context; done
 
 # ---------------------------------------------------------------- charts
-files=("$tmp/ring.json" "$tmp/ring_zigzag.json" "$tmp/ulysses.json" "$tmp/decode.json")
+files=("$tmp/ring.json" "$tmp/ring_zigzag.json" "$tmp/ulysses.json" "$tmp/decode1024.json"
+       "$tmp/decode2048.json" "$tmp/decode4096.json")
 out=$tmp/charts
 if ! "$python" "$plot" -o "$out" --title "plot_test" "${files[@]}" >"$tmp/plot.out" 2>&1; then
   cat "$tmp/plot.out" >&2

@@ -131,6 +131,22 @@ for np in 1 3; do
 done
 expect_ok "prefill cp 2 x tp 2, checked" 4 prefill --tp 2 -s 512 -n 1 -w 0 -k 1 -a hybrid -u 2 \
   -G 4 && wrong_is_zero "prefill tp 2" "$work/out"
+expect_ok "decode cp 2 x tp 2, checked" 4 decode --tp 2 -x 2048 -n 2 -w 0 -k 1 \
+  -J "$work/decode.json" && wrong_is_zero "decode tp 2" "$work/out"
+expect_ok "star on 3 ranks, checked" 3 star -s 1536 -n 1 -w 0 --steps 2 -k 1 \
+  && grep -q 'Out of bounds values *: 0 OK' "$work/out" && pass "star: 0 wrong"
+expect_ok "mla on 2 ranks (tp = all ranks), checked" 2 mla -x 1024 --heads 8 --latent 64 --rope 16 \
+  --calibration 256 -n 2 -k 1 && grep -q 'Out of bounds values *: 0 OK' "$work/out" &&
+  pass "mla: 0 wrong"
+expect_error "mla with cp 2" 2 "invalid --cp = 2: expected 1" mla --cp 2
+expect_ok "kernel dry run" 1 kernel --dry-run && grep -q '^# planned 1 rank' "$work/out" &&
+  pass "kernel plan"
+for w in decode star mla; do
+  expect_ok "$w dry run, 1024 simulated ranks" 1 "$w" --dry-run --world-size 1024 \
+    $([[ $w = mla ]] && echo "--heads 1024 --latent 1024 --rope 1024" || echo "-H 32 -G 8") &&
+    grep -q '^# planned 1024 ranks in' "$work/out" && pass "$w: $(grep '^# planned' "$work/out")"
+done
+
 checks=$((checks + 1))
 if /usr/bin/python3 - "$work/prefill3.json" <<'PY'
 import json, sys

@@ -71,6 +71,7 @@ struct Options {
   int threads = 0;
   std::string json;
   bool scaling = false;
+  bool backward = false;  // time attention_backward instead of the forward
   bool compare_layouts = false;
   bool compare_unmasked = false;
   dattn::LaunchOptions launch;  // --cp, --tp, --device, --dry-run, --config
@@ -166,6 +167,10 @@ std::optional<Options> parse_options(int argc, char** argv) {
     ("threads,T", po::value(&o.threads)->default_value(o.threads),
      "OpenMP threads per rank (0: OMP_NUM_THREADS, else cores per rank)")
     ("json,J", po::value(&o.json)->value_name("FILE"), "also write the rows as JSON to FILE")
+    ("backward,B", po::bool_switch(&o.backward),
+     "time the backward (attention_backward of one forward) instead of the forward: TFLOP/s "
+     "count 2.5x the forward's FLOPs, bytes are checked against attention_backward_send_bytes, "
+     "--check checks the forward, --scaling times attention_local_backward")
     ("scaling", po::bool_switch(&o.scaling),
      "after the table, time 1 rank x P*T threads on the largest seq (parallel efficiency)")
     ("compare-layouts", po::bool_switch(&o.compare_layouts),
@@ -337,7 +342,13 @@ std::vector<int64_t> sequence_lengths(const Options& o) {
 // Inputs come from a hash of (tensor, batch, global position, head, dim): every rank generates
 // its own shard, the values do not depend on the rank count, and the float64 check regenerates
 // any key row without holding the global tensors (S may be far larger than one rank's memory).
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
+enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3, kDout = 4 };
+
+// FLOPs of one timed call: the forward's, or 2.5x them for the backward (its five GEMMs against
+// the forward's two, the usual model).
+double pass_flops(const Options& o, int64_t S, const dattn::AttnSpec& spec) {
+  return dattn::attention_flops(o.batch, S, S, spec) * (o.backward ? 2.5 : 1.0);
+}
 
 // ================================================================== float64 check
 
@@ -625,10 +636,22 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p, const std::
   const Tensor k = make_shard(kK, layout, r, o.batch, spec.heads_kv, spec.head_dim, o.dtype, hk0);
   const Tensor v = make_shard(kV, layout, r, o.batch, spec.heads_kv, spec.dim_v(), o.dtype, hk0);
 
-  dattn::Progress progress(rt.rank() == 0, what, o.warmup + o.iters);
+  // With --backward: one forward, then the backward of it is what runs and is timed.
   dattn::Partial res;
-  for (int w = 0; w < o.warmup; ++w) {
+  Tensor dout;
+  if (o.backward) {
+    dout = make_shard(kDout, layout, r, o.batch, spec.heads_q, spec.dim_v(), o.dtype, hq0);
     res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+  }
+  auto call = [&] {
+    if (o.backward)
+      (void)dattn::attention_backward(rt, q, k, v, res, dout, spec, layout, o.strategy);
+    else
+      res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+  };
+  dattn::Progress progress(rt.rank() == 0, what, o.warmup + o.iters);
+  for (int w = 0; w < o.warmup; ++w) {
+    call();
     progress.step();
   }
   rt.reset_counters();
@@ -636,20 +659,22 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p, const std::
   for (int it = 0; it < o.iters; ++it) {
     rt.world().barrier();
     const double t0 = MPI_Wtime();
-    res = dattn::attention(rt, q, k, v, spec, layout, o.strategy);
+    call();
     seconds += MPI_Wtime() - t0;
     progress.step();
   }
   const double mean_s = allreduce_max(seconds / o.iters);
   row.time_ms = mean_s * 1e3;
-  row.tflops_per_rank = dattn::attention_flops(o.batch, S, S, spec) / P / mean_s / 1e12;
+  row.tflops_per_rank = pass_flops(o, S, spec) / P / mean_s / 1e12;
 
   // Bytes: point-to-point and all-to-all payload counted by the communicators (cp and the hybrid
   // groups), against the model.
   const dattn::ByteCounters counted = rt.counters();
   const uint64_t sent = counted.bytes("send") + counted.bytes("alltoall");
-  const uint64_t model =
-      dattn::attention_send_bytes(o.strategy, layout, spec, o.batch, o.dtype, o.ulysses, r);
+  const uint64_t model = o.backward ? dattn::attention_backward_send_bytes(
+                                          o.strategy, layout, spec, o.batch, o.dtype, o.ulysses, r)
+                                    : dattn::attention_send_bytes(o.strategy, layout, spec, o.batch,
+                                                                  o.dtype, o.ulysses, r);
   const bool mismatch = sent != model * uint64_t(o.iters);
   row.sent_mb_per_rank = double(allreduce_u64(rt, sent, dattn::ReduceOp::max)) / o.iters / 1e6;
   row.model_mb_per_rank = double(allreduce_u64(rt, model, dattn::ReduceOp::max)) / 1e6;
@@ -664,6 +689,11 @@ Row run_size(dattn::Runtime& rt, const Options& o, const Problem& p, const std::
     row.check.max_err_lse = allreduce_max(c.max_err_lse);
   }
   return row;
+}
+
+// The parallel efficiency the issues ask of the forward ring (0.85) and of its backward (0.8).
+double scaling_target(const Options& o) {
+  return o.backward ? 0.80 : 0.85;
 }
 
 struct Scaling {
@@ -718,12 +748,23 @@ void time_single_rank(dattn::Runtime& rt, const Options& o, const dattn::AttnSpe
       const Tensor q = make_shard(kQ, whole, 0, o.batch, spec.heads_q, spec.head_dim, o.dtype);
       const Tensor k = make_shard(kK, whole, 0, o.batch, spec.heads_kv, spec.head_dim, o.dtype);
       const Tensor v = make_shard(kV, whole, 0, o.batch, spec.heads_kv, spec.dim_v(), o.dtype);
+      const Tensor dout =
+          o.backward ? make_shard(kDout, whole, 0, o.batch, spec.heads_q, spec.dim_v(), o.dtype)
+                     : Tensor();
+      const dattn::Partial fwd =
+          o.backward ? dattn::attention_local(q, k, v, spec) : dattn::Partial();
+      auto call = [&] {
+        if (o.backward)
+          (void)dattn::attention_local_backward(q, k, v, fwd, dout, spec);
+        else
+          (void)dattn::attention_local(q, k, v, spec);
+      };
       for (int w = 0; w < o.warmup; ++w)
-        (void)dattn::attention_local(q, k, v, spec);
+        call();
       double seconds = 0;
       for (int it = 0; it < o.iters; ++it) {
         const double t0 = MPI_Wtime();
-        (void)dattn::attention_local(q, k, v, spec);
+        call();
         seconds += MPI_Wtime() - t0;
       }
       s.t1_ms = seconds / o.iters * 1e3;
@@ -775,7 +816,7 @@ void print_row(const Row& r) {
 
 std::string row_json(const Options& o, int ranks, const Row& r) {
   dattn::report::ResultRow c;
-  c.workload = "prefill";
+  c.workload = o.backward ? "backward" : "prefill";
   c.strategy = dattn::strategy_name(o.strategy);
   c.layout = o.layout;
   c.seq = r.seq;
@@ -942,12 +983,12 @@ int prefill_bench(int argc, char** argv) {
   const Problem first = make_problem(o, seqs.front(), P);
 
   const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
-  const std::string config =
-      cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ", T,
-          " strategy ", dattn::strategy_name(o.strategy), " U ", o.ulysses, " layout ",
-          layout_desc(o), " mask ", first.spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype),
-          " batch ", o.batch, " heads ", o.heads, " kv-heads ", o.kv_heads, " head-dim ",
-          o.head_dim, " iters ", o.iters, " warmup ", o.warmup, " check ", o.check);
+  const std::string config = cat(
+      "ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ", T, " strategy ",
+      dattn::strategy_name(o.strategy), " U ", o.ulysses, " layout ", layout_desc(o), " mask ",
+      first.spec.mask.str(), " dtype ", dattn::dtype_name(o.dtype), " batch ", o.batch, " heads ",
+      o.heads, " kv-heads ", o.kv_heads, " head-dim ", o.head_dim, " iters ", o.iters, " warmup ",
+      o.warmup, " check ", o.check, " pass ", o.backward ? "backward" : "forward");
   if (root) {
     dattn::report::print_header(stdout, "dattn prefill benchmark", {config}, ranks);
     if (o.strategy == dattn::Strategy::ulysses)
@@ -959,7 +1000,7 @@ int prefill_bench(int argc, char** argv) {
   std::vector<Row> rows;
   for (int64_t S : seqs) {
     const Problem p = make_problem(o, S, P);
-    const double gflop_rank = dattn::attention_flops(o.batch, S, S, p.spec) / P / 1e9;
+    const double gflop_rank = pass_flops(o, S, p.spec) / P / 1e9;
     if (root && gflop_rank * (o.iters + o.warmup) > 200) {  // more than a few seconds
       std::fprintf(stdout, "# running seq=%lld (%.0f GFLOP per rank per iteration) ...\n",
                    static_cast<long long>(S), gflop_rank);
@@ -1046,16 +1087,18 @@ int prefill_bench(int argc, char** argv) {
     print_footer_line(stdout, "Avg TFLOP/s per rank", fixed(tflops, 4));
     print_footer_line(stdout, "Byte model mismatches",
                       std::to_string(byte_mismatch) +
-                          " (ranks x sizes whose counted bytes differ from attention_send_bytes)");
+                          " (ranks x sizes whose counted bytes differ from the byte model)");
     std::printf(
         "# Check: #wrong = elements over tolerance vs a float64 reference (with --check 1:\n"
         "#   up to 32 sampled query rows per rank against all global keys, every head, out and\n"
         "#   lse; N/A without it) + one per rank whose sent bytes differ from the byte model.\n"
         "# Check: time = max over ranks of the mean per-iteration wall time; TFLOP/s per rank =\n"
-        "#   attention_flops (the mask's visible pairs) / P / time; imbal = max / mean over cp\n"
+        "#   attention_flops (the mask's visible pairs; x2.5 with --backward) / P / time;\n"
+        "#   imbal = max / mean over cp\n"
         "#   ranks of dattn::attention_rank_flops (the tiles each rank computes, model);\n"
         "#   sent = point-to-point + all-to-all payload per rank per iteration, max over ranks\n"
-        "#   (1 MB = 1e6 B); model = dattn::attention_send_bytes, max over ranks.\n");
+        "#   (1 MB = 1e6 B); model = dattn::attention_send_bytes (with --backward\n"
+        "#   attention_backward_send_bytes), max over ranks.\n");
     if (o.check) {
       std::printf(
           "# Check: tolerance out %g + %g*|ref|, lse %g + %g*|ref|; measured max |err| "
@@ -1091,8 +1134,9 @@ int prefill_bench(int argc, char** argv) {
       const Scaling& s = *scaling;
       std::printf(
           "# scaling: seq %lld, T1 (1 rank x %d threads) = %.3f ms, TP (%d ranks x %d threads) = "
-          "%.3f ms, parallel efficiency T1/TP = %.2f (target >= 0.85)\n",
-          static_cast<long long>(s.seq), s.threads_t1, s.t1_ms, P, T, s.tp_ms, s.efficiency);
+          "%.3f ms, parallel efficiency T1/TP = %.2f (target >= %.2f%s)\n",
+          static_cast<long long>(s.seq), s.threads_t1, s.t1_ms, P, T, s.tp_ms, s.efficiency,
+          scaling_target(o), o.backward ? ", backward" : "");
       std::printf(
           "# scaling: T1 and TP are means over %d iterations after %d warm-up; T1 ran on the %d "
           "cpu(s) of the node's ranks (union of their affinity) while the other ranks slept\n",
@@ -1126,6 +1170,7 @@ int prefill_bench(int argc, char** argv) {
           .add("iters", o.iters)
           .add("warmup", o.warmup)
           .add("check", o.check == 1)
+          .add("pass", o.backward ? "backward" : "forward")
           .add("with_cuda", bool(DATTN_WITH_CUDA))
           .add("with_nccl", bool(DATTN_WITH_NCCL));
       std::vector<std::string> jrows;
@@ -1176,7 +1221,7 @@ int prefill_bench(int argc, char** argv) {
             .add("tp_threads_per_rank", T)
             .add("tp_ms", scaling->tp_ms)
             .add("efficiency", scaling->efficiency)
-            .add("target", 0.85)
+            .add("target", scaling_target(o))
             .add("statistic", "mean")
             .add("rank0_cpus", scaling->rank0_cpus);
         top.add_raw("scaling", js.str());

@@ -1,0 +1,404 @@
+// dattn._C, the pybind11 extension under the Python package python/dattn: MPI set-up and
+// tear-down, one lazily created Runtime per process, attention forward/backward (distributed
+// and single-process) on numpy arrays, layout positions and a few MPI helpers. The package's
+// __init__.py turns torch tensors into these arrays and back and adds autograd.
+#include <mpi.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collective/mpi_communicator.h"
+#include "src/attention.h"
+#include "src/error.h"
+#include "src/validate.h"
+
+namespace py = pybind11;
+using dattn::detail::cat;
+
+namespace {
+
+// ---------------------------------------------------------------- MPI and the Runtime
+
+bool mpi_active();
+
+struct ModuleState {
+  bool initialised_mpi = false;  // this module called MPI_Init_thread, so it finalises
+  std::unique_ptr<dattn::Runtime> rt;
+  int rt_ulysses = 0;
+
+  // At process exit without finalize() (or after someone else finalised MPI), freeing the
+  // Runtime's communicators would call MPI after MPI_Finalize: leave them to the exit instead.
+  ~ModuleState() {
+    if (!mpi_active()) (void)rt.release();
+  }
+};
+
+ModuleState& state() {
+  static ModuleState s;
+  return s;
+}
+
+bool mpi_active() {
+  int initialised = 0, finalised = 0;
+  MPI_Initialized(&initialised);
+  MPI_Finalized(&finalised);
+  return initialised && !finalised;
+}
+
+// MPI with MPI_THREAD_FUNNELED (only the thread that imported dattn calls MPI; the GIL release
+// around compute does not change threads), unless the program or mpi4py already set it up.
+void init_mpi() {
+  int initialised = 0;
+  MPI_Initialized(&initialised);
+  if (initialised) return;
+  int provided = 0;
+  DATTN_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
+  state().initialised_mpi = true;
+}
+
+void require_mpi() {
+  if (!mpi_active()) DATTN_THROW("MPI is finalised: dattn cannot be used after dattn.finalize()");
+}
+
+int world_rank() {
+  require_mpi();
+  int r = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
+  return r;
+}
+
+int world_size() {
+  require_mpi();
+  int n = 0;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &n));
+  return n;
+}
+
+// The process's Runtime over MPI_COMM_WORLD (cp = every rank), recreated when the Ulysses degree
+// changes. Collective when it creates: every rank makes the same calls.
+dattn::Runtime& runtime(int ulysses) {
+  require_mpi();
+  ModuleState& s = state();
+  if (!s.rt || s.rt_ulysses != ulysses) {
+    s.rt.reset();
+    dattn::RuntimeOptions o;
+    o.ulysses = ulysses;
+    s.rt = std::make_unique<dattn::Runtime>(dattn::Runtime::from_mpi(MPI_COMM_WORLD, o));
+    s.rt_ulysses = ulysses;
+  }
+  return *s.rt;
+}
+
+// Releases the Runtime and, when this module initialised MPI, finalises it. Registered with
+// atexit by the package; safe to call twice.
+void finalize() {
+  ModuleState& s = state();
+  if (mpi_active()) s.rt.reset();
+  if (s.initialised_mpi && mpi_active()) MPI_Finalize();
+}
+
+// ---------------------------------------------------------------- arrays <-> tensors
+
+// (array, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
+// 16-bit patterns in a uint16/int16 array, as numpy has no bfloat16).
+dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
+  if (t.size() != 2) DATTN_THROW("internal error: ", name, " is not an (array, dtype) pair");
+  py::array a = t[0].cast<py::array>();
+  const std::string dtype = t[1].cast<std::string>();
+  const py::dtype dt = a.dtype();
+  dattn::DType d;
+  if (dtype == "fp32" && dt.kind() == 'f' && dt.itemsize() == 4) {
+    d = dattn::DType::f32;
+  } else if (dtype == "fp16" && dt.kind() == 'f' && dt.itemsize() == 2) {
+    d = dattn::DType::f16;
+  } else if (dtype == "bf16" && (dt.kind() == 'u' || dt.kind() == 'i') && dt.itemsize() == 2) {
+    d = dattn::DType::bf16;
+  } else {
+    DATTN_THROW("invalid ", name,
+                " dtype = ", py::str(static_cast<const py::handle&>(dt)).cast<std::string>(), " (",
+                dtype, "): expected float32, float16 or bfloat16");
+  }
+  DATTN_CHECK_ARG(a.ndim() == ndim, cat(name, " ndim"), a.ndim(),
+                  ndim == 4 ? "4 dimensions [batch, seq, heads, head_dim]" : cat(ndim));
+  DATTN_CHECK_ARG(a.flags() & py::array::c_style, cat(name, " layout"), "not C-contiguous",
+                  "a C-contiguous array");
+  void* data = const_cast<void*>(a.data());
+  if (ndim == 3) return dattn::Tensor::wrap(data, {a.shape(0), a.shape(1), a.shape(2)}, d);
+  return dattn::Tensor::wrap(data, {a.shape(0), a.shape(1), a.shape(2), a.shape(3)}, d);
+}
+
+// A numpy float32 array over an fp32 result tensor, sharing its storage (no copy).
+py::array to_numpy(dattn::Tensor t) {
+  if (t.dtype() != dattn::DType::f32) DATTN_THROW("internal error: a result is not fp32");
+  std::vector<py::ssize_t> shape, strides;
+  py::ssize_t stride = sizeof(float);
+  for (int d = t.dim() - 1; d >= 0; --d) {
+    shape.insert(shape.begin(), t.size(d));
+    strides.insert(strides.begin(), stride);
+    stride *= t.size(d);
+  }
+  auto* owner = new dattn::Tensor(std::move(t));
+  py::capsule free_when_done(owner, [](void* p) { delete static_cast<dattn::Tensor*>(p); });
+  return py::array(py::dtype::of<float>(), shape, strides, owner->data(), free_when_done);
+}
+
+// ---------------------------------------------------------------- options
+
+// The attention options the package passes (already normalised there).
+struct Options {
+  bool causal = false;
+  double softmax_scale = 0;  // 0: 1/sqrt(head_dim)
+  int64_t window_left = -1;  // -1 both: no window
+  int64_t window_right = -1;
+  std::vector<int64_t> cu_seqlens;    // empty: one document
+  std::string layout = "contiguous";  // contiguous, zigzag, striped, varlen
+  std::string strategy = "ring";      // ring, ulysses, hybrid
+  int ulysses_degree = 1;             // hybrid
+  int64_t stripe_block = 1;           // striped
+};
+
+Options options_from(const py::dict& d) {
+  Options o;
+  for (auto [key, value] : d) {
+    const std::string k = key.cast<std::string>();
+    if (k == "causal")
+      o.causal = value.cast<bool>();
+    else if (k == "softmax_scale")
+      o.softmax_scale = value.cast<double>();
+    else if (k == "window_left")
+      o.window_left = value.cast<int64_t>();
+    else if (k == "window_right")
+      o.window_right = value.cast<int64_t>();
+    else if (k == "cu_seqlens")
+      o.cu_seqlens = value.cast<std::vector<int64_t>>();
+    else if (k == "layout")
+      o.layout = value.cast<std::string>();
+    else if (k == "strategy")
+      o.strategy = value.cast<std::string>();
+    else if (k == "ulysses_degree")
+      o.ulysses_degree = value.cast<int>();
+    else if (k == "stripe_block")
+      o.stripe_block = value.cast<int64_t>();
+    else
+      DATTN_THROW("internal error: unknown option '", k, "'");
+  }
+  return o;
+}
+
+dattn::AttnSpec make_spec(const Options& o, const dattn::Tensor& q, const dattn::Tensor& k,
+                          const dattn::Tensor& v) {
+  dattn::AttnSpec spec;
+  spec.heads_q = q.size(2);
+  spec.heads_kv = k.size(2);
+  spec.head_dim = q.size(3);
+  spec.head_dim_v = v.size(3);
+  DATTN_CHECK_ARG(o.softmax_scale >= 0, "softmax_scale", o.softmax_scale, "> 0 (or None)");
+  spec.softmax_scale = float(o.softmax_scale);
+  if (!o.cu_seqlens.empty())
+    spec.mask = dattn::Mask::document(o.cu_seqlens, o.causal);
+  else
+    spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
+  if (o.window_left >= 0 || o.window_right >= 0) {
+    spec.mask.left = o.window_left;
+    spec.mask.right = o.window_right;
+  }
+  spec.validate();
+  return spec;
+}
+
+dattn::Layout make_layout(const std::string& kind, int64_t global_seq, int ranks,
+                          int64_t stripe_block, const std::vector<int64_t>& cu_seqlens) {
+  if (kind == "contiguous") return dattn::Layout::contiguous(global_seq, ranks);
+  if (kind == "zigzag") return dattn::Layout::zigzag(global_seq, ranks);
+  if (kind == "striped") return dattn::Layout::striped(global_seq, ranks, stripe_block);
+  if (kind == "varlen") {
+    DATTN_CHECK_ARG(!cu_seqlens.empty(), "cu_seqlens", "None",
+                    "document boundaries [0, e1, ..., S] for layout 'varlen'");
+    DATTN_CHECK_ARG(global_seq < 0 || global_seq == cu_seqlens.back(), "global_seq", global_seq,
+                    cat(cu_seqlens.back(), " (cu_seqlens[-1]) for layout 'varlen'"));
+    return dattn::Layout::varlen(cu_seqlens, ranks);
+  }
+  DATTN_THROW("invalid layout = '", kind, "': expected contiguous, zigzag, striped or varlen");
+}
+
+// What one distributed call needs: the runtime, tensors, spec, layout and strategy.
+struct Distributed {
+  dattn::Runtime* rt = nullptr;
+  dattn::Tensor q, k, v;
+  dattn::AttnSpec spec;
+  dattn::Layout layout;
+  dattn::Strategy strategy = dattn::Strategy::ring;
+};
+
+uint64_t hash_string(uint64_t h, const std::string& s) {
+  for (char c : s)
+    h = dattn::hash_mix(h, uint64_t(uint8_t(c)));
+  return h;
+}
+
+// Checks and converts a distributed call's arguments so that the ranks agree: a bad argument on
+// one rank raises the same ValueError on every rank instead of leaving the others waiting. The
+// global sequence is the sum of the ranks' shard lengths (one small allreduce); the attention
+// call's own check then says which rank holds the wrong number of tokens. `more` converts the
+// backward's extra arguments inside the same agreement.
+template <typename More>
+Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k,
+                        const py::tuple& v, More&& more) {
+  // The runtime the checks run over: the current one (ring and Ulysses do not depend on its
+  // Ulysses degree), else a new one of degree 1. Every rank holds the same one.
+  ModuleState& s = state();
+  dattn::Runtime* rt = &runtime(s.rt ? s.rt_ulysses : 1);
+  Distributed d;
+  uint64_t h = hash_string(hash_string(dattn::kHashSeed, o.layout), o.strategy);
+  h = dattn::hash_mix(h, uint64_t(o.ulysses_degree));
+  dattn::agree_on_validation(rt->cp(), "dattn.attention arguments", h, [&] {
+    d.q = as_tensor(q, "q");
+    d.k = as_tensor(k, "k");
+    d.v = as_tensor(v, "v");
+    d.strategy = dattn::parse_strategy(o.strategy);
+    DATTN_CHECK_ARG(d.strategy == dattn::Strategy::ring || d.strategy == dattn::Strategy::ulysses ||
+                        d.strategy == dattn::Strategy::hybrid,
+                    "strategy", o.strategy, "ring, ulysses or hybrid");
+    DATTN_CHECK_ARG(o.ulysses_degree >= 1, "ulysses_degree", o.ulysses_degree, ">= 1");
+    d.spec = make_spec(o, d.q, d.k, d.v);
+    more();
+  });
+  uint64_t local = uint64_t(d.q.size(1)), global = 0;
+  rt->cp().allreduce_u64(&local, &global, 1, dattn::ReduceOp::sum);
+  dattn::agree_on_validation(rt->cp(), "dattn.attention layout", h, [&] {
+    d.layout = make_layout(o.layout, int64_t(global), rt->cp_size(), o.stripe_block, o.cu_seqlens);
+  });
+  if (d.strategy == dattn::Strategy::hybrid) rt = &runtime(o.ulysses_degree);
+  d.rt = rt;
+  return d;
+}
+
+// ---------------------------------------------------------------- entry points
+
+py::tuple attention_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                            const py::dict& options) {
+  const Distributed d = distributed(options_from(options), q, k, v, [] {});
+  dattn::Partial r;
+  {
+    py::gil_scoped_release release;
+    r = dattn::attention(*d.rt, d.q, d.k, d.v, d.spec, d.layout, d.strategy);
+  }
+  return py::make_tuple(to_numpy(std::move(r.out)), to_numpy(std::move(r.lse)));
+}
+
+py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                             const py::tuple& out, const py::tuple& lse, const py::tuple& dout,
+                             const py::dict& options) {
+  dattn::Partial fwd;
+  dattn::Tensor tdout;
+  const Distributed d = distributed(options_from(options), q, k, v, [&] {
+    fwd.out = as_tensor(out, "out");
+    fwd.lse = as_tensor(lse, "lse", 3);
+    tdout = as_tensor(dout, "dout");
+  });
+  dattn::Gradients g;
+  {
+    py::gil_scoped_release release;
+    g = dattn::attention_backward(*d.rt, d.q, d.k, d.v, fwd, tdout, d.spec, d.layout, d.strategy);
+  }
+  return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
+                        to_numpy(std::move(g.dv)));
+}
+
+py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                                  const py::dict& options) {
+  const Options o = options_from(options);
+  dattn::Tensor tq = as_tensor(q, "q"), tk = as_tensor(k, "k"), tv = as_tensor(v, "v");
+  const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
+  dattn::Partial r;
+  {
+    py::gil_scoped_release release;
+    r = dattn::attention_local(tq, tk, tv, spec);
+  }
+  return py::make_tuple(to_numpy(std::move(r.out)), to_numpy(std::move(r.lse)));
+}
+
+py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                                   const py::tuple& out, const py::tuple& lse,
+                                   const py::tuple& dout, const py::dict& options) {
+  const Options o = options_from(options);
+  dattn::Tensor tq = as_tensor(q, "q"), tk = as_tensor(k, "k"), tv = as_tensor(v, "v");
+  dattn::Partial fwd{as_tensor(out, "out"), as_tensor(lse, "lse", 3)};
+  dattn::Tensor tdout = as_tensor(dout, "dout");
+  const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
+  dattn::Gradients g;
+  {
+    py::gil_scoped_release release;
+    g = dattn::attention_local_backward(tq, tk, tv, fwd, tdout, spec);
+  }
+  return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
+                        to_numpy(std::move(g.dv)));
+}
+
+py::array_t<int64_t> layout_positions(const std::string& kind, int64_t global_seq, int rank,
+                                      int world, int64_t stripe_block,
+                                      const std::vector<int64_t>& cu_seqlens) {
+  DATTN_CHECK_ARG(world >= 1, "world", world, ">= 1");
+  DATTN_CHECK_ARG(rank >= 0 && rank < world, "rank", rank, cat("0 to ", world - 1));
+  const dattn::Layout l = make_layout(kind, global_seq, world, stripe_block, cu_seqlens);
+  py::array_t<int64_t> pos(l.local_len(rank));
+  int64_t* p = pos.mutable_data();
+  for (const dattn::Run& run : l.runs(rank))
+    for (int64_t i = 0; i < run.length; ++i)
+      p[run.local_begin + i] = run.position(i);
+  return pos;
+}
+
+// Sums a float64 array over every rank, in place.
+void allreduce_sum(py::array_t<double, py::array::c_style> a) {
+  require_mpi();
+  double* data = a.mutable_data();
+  const auto n = a.size();
+  py::gil_scoped_release release;
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data, int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dattn's compiled core; use the dattn package, not this module.";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dattn::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+  init_mpi();
+  dattn::set_error_rank(world_rank());
+
+  m.def("finalize", &finalize, "Releases the Runtime and finalises MPI if dattn initialised it.");
+  m.def("rank", &world_rank, "This process's rank in MPI_COMM_WORLD.");
+  m.def("world_size", &world_size, "The number of ranks in MPI_COMM_WORLD.");
+  m.def(
+      "barrier",
+      [] {
+        require_mpi();
+        py::gil_scoped_release release;
+        DATTN_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+      },
+      "Waits for every rank.");
+  m.def(
+      "abort",
+      [](int code) {
+        if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, code);
+        std::exit(code);
+      },
+      py::arg("code") = 1, "Aborts every rank of the job with the exit code (MPI_Abort).");
+  m.def("attention_forward", &attention_forward);
+  m.def("attention_backward", &attention_backward);
+  m.def("attention_local_forward", &attention_local_forward);
+  m.def("attention_local_backward", &attention_local_backward);
+  m.def("layout_positions", &layout_positions);
+  m.def("allreduce_sum", &allreduce_sum);
+}

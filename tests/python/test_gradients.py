@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""dattn's Python binding under mpiexec (1-4 ranks): out, lse and dq, dk, dv of this rank's shard
+against float64 torch autograd of the full sequence, for every strategy x layout x mask with GQA
+and head_dim 64/128; bf16 gradient error no worse distributed than in one process; bit-identical
+repeated backward calls; errors raised as ValueError on every rank.
+
+Every rank builds the same global tensors from a fixed seed and compares its shard (picked with
+dattn.layout_positions). A failure on any rank prints the reason and aborts the job (no rank
+hangs). Exits 77 (skipped) when numpy or torch cannot be imported.
+  PYTHONPATH=build/python bash launch/mpirun.sh -n 4 /usr/bin/python3 tests/python/test_gradients.py
+"""
+
+import sys
+import time
+import traceback
+
+try:
+    import numpy as np
+    import torch
+except ImportError as e:  # before dattn: MPI is not started yet, so a plain exit is clean
+    print(f"test_gradients: SKIPPED: {e} (needs numpy and torch, e.g. Debian's /usr/bin/python3)")
+    sys.exit(77)
+
+import dattn
+
+RANK, P = dattn.rank(), dattn.world_size()
+torch.set_num_threads(1)
+
+# fp32 against float64: errors relative to the largest reference value of each result.
+TOL_FP32 = 2e-5
+
+
+# ---------------------------------------------------------------- the float64 reference
+
+BANDS = {"none": {}, "causal": {"causal": True}, "window": {"window": (9, 3)},
+         "document": {"causal": True}}
+
+
+def visible(S, mask, cu):
+    """[S, S] bool: query i sees key j. cu: document boundaries, or None for one document."""
+    i = torch.arange(S)[:, None]
+    j = torch.arange(S)[None, :]
+    vis = torch.ones(S, S, dtype=torch.bool)
+    if BANDS[mask].get("causal"):
+        vis &= j <= i
+    if "window" in BANDS[mask]:
+        left, right = BANDS[mask]["window"]
+        vis &= (j >= i - left) & (j <= i + right)
+    if cu is not None:
+        doc = torch.bucketize(torch.arange(S), torch.tensor(cu[1:]), right=True)
+        vis &= doc[:, None] == doc[None, :]
+    return vis
+
+
+def reference(q, k, v, vis, scale):
+    """out [B,S,H,Dv] and lse [B,H,S] of float64 tensors, differentiable by torch autograd."""
+    g = q.shape[2] // k.shape[2]
+    kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vx)
+    return out, lse
+
+
+def rel_err(got, ref):
+    """max |got - ref| / max |ref|"""
+    return float((got.double() - ref).abs().max() / max(ref.abs().max().item(), 1e-30))
+
+
+def all_max(x):
+    """The max of x over the ranks."""
+    slots = np.zeros(P)
+    slots[RANK] = x
+    return float(dattn.allreduce_sum(slots).max())
+
+
+def make_inputs(seed, B, S, H, Hkv, D):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+
+
+# ---------------------------------------------------------------- one configuration
+
+def run_config(idx, strategy, layout, mask, B, S, H, Hkv, D, stripe_block=1, ulysses=None):
+    """Forward and backward of one configuration against the float64 reference; returns the
+    configuration's name and its relative errors on this rank."""
+    # Four documents, one of a single token. A varlen layout shards by documents, and a token
+    # then sees only its own document: the mask's band applies inside documents.
+    cu = [0, S // 5, S // 2, S // 2 + 1, S]
+    docs = cu if layout == "varlen" or mask == "document" else None
+    q, k, v, dout = make_inputs(1000 + idx, B, S, H, Hkv, D)
+    scale = 1.0 / D ** 0.5
+
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    out_ref, lse_ref = reference(q64, k64, v64, visible(S, mask, docs), scale)
+    (out_ref * dout).sum().backward()
+
+    pos = torch.from_numpy(dattn.layout_positions(layout, S, stripe_block=stripe_block,
+                                                  cu_seqlens=docs))
+    kw = dict(BANDS[mask], layout=layout, strategy=strategy, stripe_block=stripe_block,
+              ulysses_degree=ulysses, cu_seqlens=docs)
+
+    def shard(t):
+        return t[:, pos].float().contiguous().requires_grad_()
+
+    qs, ks, vs = shard(q), shard(k), shard(v)
+    out, lse = dattn.attention(qs, ks, vs, return_lse=True, **kw)
+    (out.double() * dout[:, pos]).sum().backward()
+
+    name = (f"{strategy:7s} {layout:10s} {mask:8s} B={B} S={S} H={H}/{Hkv} D={D}"
+            + (f" block={stripe_block}" if layout == "striped" else ""))
+    errs = {
+        "out": rel_err(out, out_ref.detach()[:, pos]),
+        "lse": rel_err(lse, lse_ref.detach()[:, :, pos]),
+        "dq": rel_err(qs.grad, q64.grad[:, pos]),
+        "dk": rel_err(ks.grad, k64.grad[:, pos]),
+        "dv": rel_err(vs.grad, v64.grad[:, pos]),
+    }
+    bad = {key: e for key, e in errs.items() if not e <= TOL_FP32}
+    assert not bad, f"rank {RANK}: {name}: relative error above {TOL_FP32}: {bad}"
+
+    # Determinism: the backward twice more, outside autograd: bit-identical to autograd's.
+    for _ in range(2):
+        again = dattn.attention_backward(qs.detach(), ks.detach(), vs.detach(), out.detach(), lse,
+                                         dout[:, pos].float(), **kw)
+        for got, want, what in zip(again, (qs.grad, ks.grad, vs.grad), ("dq", "dk", "dv")):
+            assert torch.equal(got, want), f"rank {RANK}: {name}: a repeated backward changed {what}"
+    return name, errs
+
+
+def configurations():
+    """strategy x layout x mask, with head counts each strategy can take (Ulysses: H_kv a
+    multiple of the ranks; hybrid: Ulysses groups of 2 on an even number of ranks), and GQA 4/2,
+    MQA 4/1, MHA, head_dim 64 and 128, S from 37 to 130 spread over them."""
+    strategies = ["ring", "ulysses"] + (["hybrid"] if P % 2 == 0 else [])
+    sizes = [37, 64, 101, 130]
+    ring_heads = [(4, 2), (4, 1), (2, 2)]
+    idx = 0
+    for strategy in strategies:
+        for layout in ("contiguous", "zigzag", "striped", "varlen"):
+            for mask in ("none", "causal", "window", "document"):
+                S = sizes[idx % len(sizes)]
+                D = 128 if idx % 3 == 2 else 64
+                if strategy == "ring":
+                    H, Hkv = ring_heads[idx % len(ring_heads)]
+                elif strategy == "ulysses":
+                    H, Hkv = 2 * P, P
+                else:
+                    H, Hkv = 4, 2
+                yield dict(idx=idx, strategy=strategy, layout=layout, mask=mask,
+                           B=1 + idx % 2, S=S, H=H, Hkv=Hkv, D=D,
+                           stripe_block=1 + 2 * (idx % 2), ulysses=2 if strategy == "hybrid" else None)
+                idx += 1
+
+
+# ---------------------------------------------------------------- bf16: error vs ring size
+
+def check_bf16():
+    """bf16 inputs: the gradients' error against float64 (of the same bf16 values) is no larger
+    distributed over P ranks than in one process (attention_local) by more than a small factor.
+    A schedule that rounds partial gradients to bf16 between ring steps fails this by orders of
+    magnitude."""
+    B, S, H, Hkv, D = 1, 128, 4, 2, 64
+    q, k, v, dout = make_inputs(7, B, S, H, Hkv, D)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (qb, kb, vb))
+    out_ref, _ = reference(q64, k64, v64, visible(S, "causal", None), 1.0 / D ** 0.5)
+    (out_ref * dout).sum().backward()
+    refs = (q64.grad, k64.grad, v64.grad)
+
+    # One process: the same kernels over the whole sequence.
+    out1, lse1 = dattn.attention_local(qb, kb, vb, causal=True, return_lse=True)
+    grads1 = dattn.attention_local_backward(qb, kb, vb, out1, lse1, dout.float(), causal=True)
+    err1 = [rel_err(g, r) for g, r in zip(grads1, refs)]
+
+    # P ranks, ring over a zigzag layout, through autograd (bf16 inputs get fp32 gradients
+    # rounded to bf16 there, so compare attention_backward's fp32 gradients instead).
+    pos = torch.from_numpy(dattn.layout_positions("zigzag", S))
+    shards = [t[:, pos].contiguous() for t in (qb, kb, vb)]
+    out, lse = dattn.attention(*shards, causal=True, layout="zigzag", return_lse=True)
+    grads = dattn.attention_backward(*shards, out, lse, dout[:, pos].float(), causal=True,
+                                     layout="zigzag")
+    errP = [all_max((g.double() - r[:, pos]).abs().max().item()) / r.abs().max().item()
+            for g, r in zip(grads, refs)]
+    for what, e1, eP in zip(("dq", "dk", "dv"), err1, errP):
+        if RANK == 0:
+            print(f"  bf16 {what}: relative error 1 process {e1:.3e}, {P} ranks {eP:.3e}")
+        assert eP <= 1.5 * e1 + 1e-6, (
+            f"bf16 {what}: error on {P} ranks ({eP:.3e}) > 1.5 x error in one process ({e1:.3e})")
+
+    # Autograd on bf16 leaves: gradients come back in bf16, equal to the rounded fp32 ones.
+    leaves = [s.clone().requires_grad_() for s in shards]
+    o = dattn.attention(*leaves, causal=True, layout="zigzag")
+    (o * dout[:, pos].float()).sum().backward()
+    for leaf, g in zip(leaves, grads):
+        assert leaf.grad.dtype == torch.bfloat16 and torch.equal(leaf.grad, g.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- API details and errors
+
+def check_api():
+    S, H, Hkv, D = 50, 4, 2, 64
+    q, k, v, _ = make_inputs(11, 1, S, H, Hkv, D)
+    pos = dattn.layout_positions("contiguous", S)
+    qn, kn, vn = (t[:, pos].float().numpy() for t in (q, k, v))
+    # numpy in, numpy out; float16 numpy too.
+    out = dattn.attention(qn, kn, vn, causal=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (1, len(pos), H, D)
+    out16 = dattn.attention(qn.astype(np.float16), kn.astype(np.float16), vn.astype(np.float16),
+                            causal=True)
+    assert isinstance(out16, np.ndarray) and np.abs(out16 - out).max() < 1e-2
+    # torch without grad: a plain tensor.
+    ot = dattn.attention(*(torch.from_numpy(a) for a in (qn, kn, vn)), causal=True)
+    assert isinstance(ot, torch.Tensor) and not ot.requires_grad and np.array_equal(ot.numpy(), out)
+    # Positions cover the sequence once over the ranks.
+    for kind in ("contiguous", "zigzag", "striped"):
+        allpos = np.concatenate([dattn.layout_positions(kind, 37, r, P, stripe_block=2)
+                                 for r in range(P)])
+        assert sorted(allpos.tolist()) == list(range(37)), kind
+    assert dattn.allreduce_sum(1.5) == 1.5 * P
+
+    # Errors: ValueError with the library's message, on every rank, and no hang.
+    def raises(fn, word):
+        try:
+            fn()
+        except ValueError as e:
+            assert word in str(e), f"the message should name {word!r}: {e}"
+            return
+        raise AssertionError(f"no ValueError naming {word!r}")
+
+    raises(lambda: dattn.attention(qn[:, :, :3], kn, vn), "heads_q")
+    raises(lambda: dattn.attention(qn, kn, vn, layout="diagonal"), "layout")
+    raises(lambda: dattn.attention(qn, kn, vn, strategy="hybrid"), "ulysses_degree")
+    raises(lambda: dattn.attention(qn, kn, vn, strategy="star"), "strategy")
+    raises(lambda: dattn.attention(qn.astype(np.float64), kn, vn), "dtype")
+    if P > 1:
+        # The wrong shard length on rank 0 only: every rank raises.
+        short = (lambda a: a[:, :-1]) if RANK == 0 else (lambda a: a)
+        raises(lambda: dattn.attention(short(qn), short(kn), short(vn)), "seq")
+    # Still usable afterwards.
+    assert np.array_equal(dattn.attention(qn, kn, vn, causal=True), out)
+
+
+# ---------------------------------------------------------------- main
+
+def main():
+    t0 = time.time()
+    worst = {}
+    n = 0
+    for cfg in configurations():
+        name, errs = run_config(**cfg)
+        n += 1
+        for key, e in errs.items():
+            e = all_max(e)
+            if e >= worst.get(key, (-1, ""))[0]:
+                worst[key] = (e, name)
+    if RANK == 0:
+        print(f"test_gradients on {P} ranks: {n} configurations, fp32 within {TOL_FP32} "
+              "(relative to max |ref|), repeated backward bit-identical; worst:")
+        for key, (e, name) in worst.items():
+            print(f"  {key:3s} {e:.2e}  ({name})")
+    check_bf16()
+    check_api()
+    if RANK == 0:
+        print(f"test_gradients: all passed on {P} ranks in {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:  # noqa: B902 - any failure on any rank ends the whole job
+        sys.stderr.write(f"test_gradients: FAILED on rank {RANK} of {P}:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        dattn.abort(1)

@@ -110,6 +110,8 @@ dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
   if (t.size() != 2) DATTN_THROW("internal error: ", name, " is not an (array, dtype) pair");
   py::array a = t[0].cast<py::array>();
   const std::string dtype = t[1].cast<std::string>();
+  if (dtype != "fp32" && dtype != "fp16" && dtype != "bf16")  // what the package could not take
+    DATTN_THROW("invalid ", name, ": ", dtype, ": expected float32, float16 or bfloat16");
   const py::dtype dt = a.dtype();
   dattn::DType d;
   if (dtype == "fp32" && dt.kind() == 'f' && dt.itemsize() == 4) {

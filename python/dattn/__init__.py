@@ -12,7 +12,7 @@ and finalises it at exit.
 Tensors are bshd ([batch, seq, heads, head_dim]) numpy arrays (float32, float16) or CPU torch
 tensors (float32, bfloat16, float16). Results are float32, numpy for numpy inputs and torch for
 torch inputs. Errors from the library raise ValueError with its message (it names the parameter
-and the rank); a bad argument on one rank raises on every rank.
+and the rank); a bad tensor on one rank raises on every rank.
 """
 
 import atexit
@@ -48,10 +48,11 @@ def _is_torch(x):
 
 def _as_array(x, name):
     """(array, dtype name) for the extension: a C-contiguous numpy view of x (no copy where x
-    already is one); bfloat16 goes as its 16-bit patterns."""
+    already is one); bfloat16 goes as its 16-bit patterns. What dattn cannot take goes as an empty
+    array with a description instead, for the extension to reject on every rank at once."""
     if _is_torch(x):
         if x.device.type != "cpu":
-            raise ValueError(f"invalid {name} device = {x.device}: expected cpu")
+            return (_NOTHING, f"a tensor on {x.device} (expected cpu)")
         x = x.detach().contiguous()
         if x.dtype == torch.float32:
             return (x.numpy(), "fp32")
@@ -59,14 +60,16 @@ def _as_array(x, name):
             return (x.view(torch.int16).numpy(), "bf16")
         if x.dtype == torch.float16:
             return (x.numpy(), "fp16")
-        raise ValueError(f"invalid {name} dtype = {x.dtype}: expected float32, bfloat16 or float16")
+        return (_NOTHING, f"dtype {x.dtype}")
     a = np.asarray(x)
     if a.dtype == np.float32:
         return (np.ascontiguousarray(a), "fp32")
     if a.dtype == np.float16:
         return (np.ascontiguousarray(a), "fp16")
-    raise ValueError(f"invalid {name} dtype = {a.dtype}: expected float32 or float16 "
-                     "(convert with .astype(np.float32))")
+    return (_NOTHING, f"dtype {a.dtype} (convert with .astype(np.float32))")
+
+
+_NOTHING = np.zeros((0, 0, 0, 0), dtype=np.float32)
 
 
 def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",

@@ -594,9 +594,6 @@ void print_plan(const Options& o) {
   using dattn::detail::cat;
   using dattn::report::fixed;
   const double start = MPI_Wtime();
-  const auto range = [](int64_t first, int64_t n) {
-    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
-  };
   const int W = o.launch.world, P = o.cp(), T = o.tp();
   const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads(), Sq = o.new_tokens, B = o.batch;
   const dattn::AttnSpec spec = make_spec(o);
@@ -629,13 +626,7 @@ void print_plan(const Options& o) {
       "# communicators: %d cp group(s) of %d ranks (cp group t: world ranks t, t+%d, ...); "
       "%d tp group(s) of %d consecutive ranks; %s\n",
       T, P, T, P, T, tree.c_str());
-  std::printf(
-      "# device: %s\n",
-      o.launch.device == "cpu"
-          ? "cpu on every rank"
-          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
-                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
-                .c_str());
+  std::printf("# device: %s\n", dattn::device_plan(o.launch).c_str());
   const double flops = step_flops(o, spec);
   std::printf(
       "# per step: %.6f GFLOP of attention per tp slice (model: %lld new queries against the "
@@ -706,8 +697,8 @@ void print_plan(const Options& o) {
     for (int tp = 0; tp < T; ++tp) {
       cells[0] = std::to_string(c * T + tp);
       cells[2] = std::to_string(tp);
-      cells[5] = range(tp * Hl, Hl);
-      cells[6] = range(tp * Gl, Gl);
+      cells[5] = dattn::report::index_range(tp * Hl, Hl);
+      cells[6] = dattn::report::index_range(tp * Gl, Gl);
       t.print_row(stdout, cells);
     }
   }

@@ -565,11 +565,6 @@ void print_plan(const Options& o) {
   using dattn::detail::cat;
   using dattn::report::fixed;
   const double start = MPI_Wtime();
-  const auto range = [](int64_t first, int64_t n) {
-    return n == 0   ? std::string("-")
-           : n == 1 ? std::to_string(first)
-                    : cat(first, "-", first + n - 1);
-  };
   const auto mib = [](uint64_t bytes) { return fixed(double(bytes) / (1024.0 * 1024.0), 2); };
   const auto kb = [](uint64_t bytes) { return fixed(double(bytes) / 1e3, 3); };
   const int G = o.launch.world;
@@ -596,13 +591,7 @@ void print_plan(const Options& o) {
       "# communicators: one group of all %d ranks; per step head_split allgathers every rank's "
       "heads of the output, tpla sum-allreduces the whole output%s\n",
       G, G == 1 ? " (one rank: nothing is sent)" : "");
-  std::printf(
-      "# device: %s\n",
-      o.launch.device == "cpu"
-          ? "cpu on every rank"
-          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
-                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
-                .c_str());
+  std::printf("# device: %s\n", dattn::device_plan(o.launch).c_str());
   const std::vector<Method> ms = methods();
   std::printf(
       "# would run: %zu methods, each %d warm-up + %d timed steps on the uniform-energy latents "
@@ -659,9 +648,10 @@ void print_plan(const Options& o) {
     const dattn::MlaCacheShard t =
         dattn::mla_shard_cache(cfg, MlaParallel::tpla, split, no_c_kv, no_k_pe, g, G);
     ranks.print_row(stdout,
-                    {std::to_string(g), range(h0, hn), range(t.latent_begin, t.latent_len),
-                     range(t.rope_begin, t.rope_len), mib(head_split_cache), mib(tpla_cache),
-                     mib(split_cache), kb(head_split_send), kb(tpla_send)});
+                    {std::to_string(g), dattn::report::index_range(h0, hn),
+                     dattn::report::index_range(t.latent_begin, t.latent_len),
+                     dattn::report::index_range(t.rope_begin, t.rope_len), mib(head_split_cache),
+                     mib(tpla_cache), mib(split_cache), kb(head_split_send), kb(tpla_send)});
   }
   std::printf("# planned %d ranks in %.3f s\n", G, MPI_Wtime() - start);
   std::fflush(stdout);

@@ -876,9 +876,6 @@ struct Comparison {
 void print_plan(const Options& o) {
   using dattn::detail::cat;
   const double start = MPI_Wtime();
-  const auto range = [](int64_t first, int64_t n) {
-    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
-  };
   using dattn::report::fixed;
   const int W = o.launch.world, P = o.cp(), T = o.tp();
   const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads();
@@ -899,13 +896,7 @@ void print_plan(const Options& o) {
                           " cp ranks")
                           .c_str()
                     : "");
-  std::printf(
-      "# device: %s\n",
-      o.launch.device == "cpu"
-          ? "cpu on every rank"
-          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
-                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
-                .c_str());
+  std::printf("# device: %s\n", dattn::device_plan(o.launch).c_str());
   for (int64_t S : seqs) {
     const Problem p = make_problem(o, S, P);
     double sum = 0, max = 0;
@@ -948,9 +939,10 @@ void print_plan(const Options& o) {
       descs.push_back(dattn::report::run_desc(run));
     const std::string runs = dattn::report::join(descs, " ");
     for (int tp = 0; tp < T; ++tp) {
-      t.print_row(stdout, {std::to_string(c * T + tp), std::to_string(c), std::to_string(tp),
-                           std::to_string(p.layout.local_len(c)), range(tp * Hl, Hl),
-                           range(tp * Gl, Gl), fixed(f, 3), fixed(mb, 3), runs});
+      t.print_row(stdout,
+                  {std::to_string(c * T + tp), std::to_string(c), std::to_string(tp),
+                   std::to_string(p.layout.local_len(c)), dattn::report::index_range(tp * Hl, Hl),
+                   dattn::report::index_range(tp * Gl, Gl), fixed(f, 3), fixed(mb, 3), runs});
     }
   }
   std::printf("# planned %d ranks in %.3f s\n", W, MPI_Wtime() - start);

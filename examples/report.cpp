@@ -109,6 +109,12 @@ std::string non_finite(double v) {
 }
 }  // namespace
 
+std::string index_range(int64_t first, int64_t n) {
+  if (n <= 0) return "-";
+  if (n == 1) return std::to_string(first);
+  return std::to_string(first) + "-" + std::to_string(first + n - 1);
+}
+
 std::string fixed(double v, int precision) {
   if (!std::isfinite(v)) return non_finite(v);
   char buf[64];

@@ -65,6 +65,8 @@ class Table {
   std::vector<Column> columns_;
 };
 
+// n indices from first, as a plan prints them: "-" (none), "5", "4-7".
+std::string index_range(int64_t first, int64_t n);
 // v with `precision` digits after the point; non-finite values as "nan", "inf", "-inf".
 std::string fixed(double v, int precision);
 // v in scientific notation with `precision` digits ("1.23e-05").

@@ -788,9 +788,6 @@ void print_plan(const Options& o) {
   using dattn::detail::cat;
   using dattn::report::fixed;
   const double start = MPI_Wtime();
-  const auto range = [](int64_t first, int64_t n) {
-    return n == 1 ? std::to_string(first) : cat(first, "-", first + n - 1);
-  };
   const int W = o.launch.world, P = o.cp(), T = o.tp();
   const int64_t Hl = o.local_heads(), Gl = o.local_kv_heads(), S = o.seq, B = o.batch;
   const int64_t Sq = o.new_tokens;
@@ -814,13 +811,7 @@ void print_plan(const Options& o) {
       "%d tp group(s) of %d consecutive ranks; phase 2's query rank: cp rank %d of each cp "
       "group\n",
       T, P, T, P, T, P - 1);
-  std::printf(
-      "# device: %s\n",
-      o.launch.device == "cpu"
-          ? "cpu on every rank"
-          : (o.launch.device_id >= 0 ? cat("cuda:", o.launch.device_id, " on every rank")
-                                     : std::string("cuda:<node-local rank> (one GPU per rank)"))
-                .c_str());
+  std::printf("# device: %s\n", dattn::device_plan(o.launch).c_str());
   std::vector<double> flops(static_cast<size_t>(P));
   double sum = 0, max = 0;
   uint64_t anchor_bytes = 0;
@@ -884,8 +875,8 @@ void print_plan(const Options& o) {
     for (int tp = 0; tp < T; ++tp) {
       cells[0] = std::to_string(c * T + tp);
       cells[2] = std::to_string(tp);
-      cells[6] = range(tp * Hl, Hl);
-      cells[7] = range(tp * Gl, Gl);
+      cells[6] = dattn::report::index_range(tp * Hl, Hl);
+      cells[7] = dattn::report::index_range(tp * Gl, Gl);
       t.print_row(stdout, cells);
     }
   }

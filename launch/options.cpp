@@ -33,6 +33,12 @@ void add_launch_options(po::options_description& desc, LaunchOptions& o) {
   desc.add(launch);
 }
 
+std::string device_plan(const LaunchOptions& o) {
+  if (o.device == "cpu") return "cpu on every rank";
+  if (o.device_id >= 0) return detail::cat("cuda:", o.device_id, " on every rank");
+  return "cuda:<node-local rank> (one GPU per rank)";
+}
+
 int node_local_rank() {
   MPI_Comm node = MPI_COMM_NULL;
   DATTN_MPI_CHECK(

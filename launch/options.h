@@ -35,6 +35,10 @@ void add_launch_options(boost::program_options::options_description& desc, Launc
 // the Slurm scripts launch it). Collective over MPI_COMM_WORLD (the node-local rank).
 void resolve_launch_options(LaunchOptions& o, int default_tp);
 
+// The device rule as a dry-run plan states it: "cpu on every rank", "cuda:<node-local rank>
+// (one GPU per rank)" or "cuda:N on every rank".
+std::string device_plan(const LaunchOptions& o);
+
 // The node-local rank of this process among the job's ranks (MPI_Comm_split_type SHARED).
 int node_local_rank();
 

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "collective/mpi_communicator.h"
@@ -71,7 +72,15 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     rt.threads_ = std::max(1, cores / rt.node_ranks_);
   }
   omp_set_num_threads(rt.threads_);
+  rt.check_finite_ = options.check_finite;
   return rt;
+}
+
+bool check_finite_env() {
+  const char* value = std::getenv("DATTN_CHECK_FINITE");
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "0") == 0) return false;
+  if (std::strcmp(value, "1") == 0) return true;
+  DATTN_THROW("invalid DATTN_CHECK_FINITE = '", value, "': expected 0 or 1 (or unset)");
 }
 
 Communicator& Runtime::ulysses_group() {

@@ -22,7 +22,18 @@ struct RuntimeOptions {
   int node_size = 0;  // cp ranks per node for topology-aware reductions; 0: the real nodes
                       // (MPI_Comm_split_type); a number declares fake nodes of that many
                       // consecutive cp ranks (to test multi-node paths on one machine)
+  // Checking mode for non-finite inputs: the API entry points scan q, k, v (and dout) on each
+  // rank for NaN/inf before any data moves and fail with a dattn::Error on every rank that names
+  // the tensor, the rank, the position and the value (README "Numerics"). Off by default (the
+  // fast mode: nothing is scanned). DATTN_CHECK_FINITE=1 in the environment turns it on as well;
+  // either one is enough, and DATTN_CHECK_FINITE=0 or unset leaves this option as it is.
+  bool check_finite = false;
 };
+
+// Whether DATTN_CHECK_FINITE=1 is set (the non-finite check of the entry points that take no
+// Runtime, attention_local and attention_local_backward, and of every Runtime). Unset or 0:
+// false; any other value throws dattn::Error naming the variable.
+bool check_finite_env();
 
 class Runtime {
  public:
@@ -54,6 +65,9 @@ class Runtime {
   Device device() const { return device_; }
   int threads() const { return threads_; }
   int node_ranks() const { return node_ranks_; }  // ranks sharing this node
+  // Whether the non-finite check runs: RuntimeOptions.check_finite or DATTN_CHECK_FINITE=1
+  // (read at each call). Throws dattn::Error naming the variable when it is neither 0 nor 1.
+  bool check_finite() const { return check_finite_ || check_finite_env(); }
 
  private:
   Runtime() = default;
@@ -66,6 +80,7 @@ class Runtime {
   int ulysses_ = 1;
   int threads_ = 1;
   int node_ranks_ = 1;
+  bool check_finite_ = false;
 };
 
 }  // namespace dattn

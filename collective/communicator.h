@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/dtype.h"
@@ -60,12 +61,18 @@ class Communicator {
   virtual int size() const = 0;
   // The backend's name for headers and errors: "mpi", "nccl".
   virtual std::string backend() const = 0;
+  // What this group is, for messages ("cp", "node", ...): the watchdog's line names it. Set by
+  // whoever creates the group (Runtime); a backend picks a default.
+  const std::string& name() const { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
 
   // Point-to-point. Counted as "send": bytes.
   virtual RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) = 0;
   virtual RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) = 0;
   virtual void wait(RequestPtr& request) = 0;  // completes and releases; null is a no-op
-  void wait_all(std::vector<RequestPtr>& requests) {
+  // Completes and releases every request (nulls are skipped), then clears the vector. A backend
+  // may wait on them together (MPI: one deadline for all, see MpiCommunicator).
+  virtual void wait_all(std::vector<RequestPtr>& requests) {
     for (auto& r : requests)
       wait(r);
     requests.clear();
@@ -112,6 +119,7 @@ class Communicator {
 
  protected:
   ByteCounters counters_;
+  std::string name_;
 };
 
 }  // namespace dattn

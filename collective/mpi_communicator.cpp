@@ -1,9 +1,14 @@
-// MpiCommunicator: each Communicator operation as the matching MPI call, with byte counting.
+// MpiCommunicator: each Communicator operation as the matching non-blocking MPI call, with
+// byte counting, completed by the watchdog's poll loop (a deadline on every wait on a peer).
 #include "collective/mpi_communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
 #include <type_traits>
 
 namespace dattn {
@@ -22,7 +27,12 @@ namespace {
 constexpr size_t kMaxMessage = size_t(1) << 30;
 
 struct MpiRequest final : Request {
-  std::vector<MPI_Request> reqs;
+  std::vector<MPI_Request> reqs;  // one per piece of the message
+  // What the watchdog names when this request is still pending at the deadline.
+  bool send = false;
+  int peer = 0;
+  int tag = 0;
+  size_t bytes = 0;
 };
 
 // Calls fn(offset, count) for each piece of a message of `bytes` (at least one, maybe empty).
@@ -94,19 +104,124 @@ int as_int(size_t n, const char* what) {
   return int(n);
 }
 
+// ---------------------------------------------------------------- the watchdog's poll loop
+// Why non-blocking + poll: a blocking MPI call (MPI_Waitall, MPI_Allreduce) takes no deadline,
+// and Open MPI ends a job only when a process exits. A peer that hangs (a deadlock, a rank stuck
+// in a loop or a driver, a rank that skipped a collective) leaves the others blocked until the
+// batch system's wall time runs out, with no word of which operation or peer. So every
+// operation starts in its non-blocking MPI-3 form and completes here, in MPI_Testall calls,
+// which drive MPI's progress as the blocking wait would.
+// Cost: a finished operation costs one MPI_Testall and no clock read. For the first
+// millisecond the loop spins (a message in flight arrives within microseconds; the steady clock,
+// a vDSO read, is looked at every 32 tests only). After that it sleeps between tests, for 1/64
+// of the time waited so far (20 us to 1 ms): a rank that waits for a peer's compute gives its
+// core back (on an oversubscribed node, to the ranks it waits for) and loses at most ~2% of a
+// wait, or 1 ms, to the sleep.
+
+constexpr double kSpinS = 1e-3;
+constexpr unsigned kTestsPerClockRead = 32;
+
+// MPI_Testall until all n requests are complete (true) or deadline_s has passed (false, and
+// waited_s says how long it waited).
+bool poll(int n, MPI_Request* reqs, double deadline_s, double& waited_s) {
+  int done = 0;
+  DATTN_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+  if (done) return true;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  bool spinning = true;
+  for (unsigned tests = 1;; ++tests) {
+    DATTN_MPI_CHECK(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE));
+    if (done) return true;
+    if (spinning && tests % kTestsPerClockRead != 0) continue;
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (waited > deadline_s) {
+      waited_s = waited;
+      return false;
+    }
+    spinning = waited < kSpinS;
+    if (!spinning)
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>(std::clamp(waited / 64, 20e-6, 1e-3)));
+  }
+}
+
 }  // namespace
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
-  DATTN_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+double resolve_timeout(double requested_s) {
+  DATTN_CHECK_ARG(requested_s >= 0, "timeout_s", requested_s,
+                  ">= 0 seconds (0: DATTN_TIMEOUT or the default)");
+  if (requested_s > 0) return requested_s;
+  const char* env = std::getenv("DATTN_TIMEOUT");
+  if (env == nullptr || *env == '\0') return kDefaultTimeoutS;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(v > 0))
+    DATTN_THROW("invalid DATTN_TIMEOUT = \"", env,
+                "\": expected a number of seconds > 0 (inf: no deadline)");
+  return v;
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, double timeout_s)
+    : timeout_s_(resolve_timeout(timeout_s)) {
+  // rank and size first, from comm: the watchdog's line needs them while the dup is pending.
+  DATTN_MPI_CHECK(MPI_Comm_rank(comm, &rank_));
+  DATTN_MPI_CHECK(MPI_Comm_size(comm, &size_));
+  char buf[MPI_MAX_OBJECT_NAME] = {};
+  int len = 0;
+  DATTN_MPI_CHECK(MPI_Comm_get_name(comm, buf, &len));
+  name_ = len > 0 ? std::string(buf, size_t(len)) : "MPI communicator";
+  // The dup is collective too: MPI_Comm_idup, under the deadline like every other operation.
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Comm_idup(comm, &comm_, &r));
+  complete(r, "communicator duplication");
+  DATTN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm owned, double timeout_s, std::string name, Adopt)
+    : comm_(owned), timeout_s_(timeout_s) {
+  name_ = std::move(name);
   DATTN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   DATTN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   DATTN_MPI_CHECK(MPI_Comm_size(comm_, &size_));
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm owned, Adopt) : comm_(owned) {
-  DATTN_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-  DATTN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-  DATTN_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+void MpiCommunicator::complete(MPI_Request& request, const char* op, int root) const {
+  double waited = 0;
+  if (poll(1, &request, timeout_s_, waited)) return;
+  expire(root < 0 ? std::string(op) : detail::cat(op, " (root rank ", world_rank_of(root), ")"),
+         waited);
+}
+
+// The one place the library ends the job instead of throwing: the expired operation is still
+// posted (its buffers in MPI's hands), the peers are stuck in theirs, and a caller that caught an
+// Error (the C API, Python) would go on and leave them waiting. Ending the job is the point.
+void MpiCommunicator::expire(const std::string& what, double waited_s,
+                             const std::string& detail) const {
+  int world_rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  // One fprintf: one line, not interleaved with the other ranks' lines.
+  std::fprintf(stderr,
+               "[rank %d] dattn watchdog: %s on %s (%d ranks) waited %.1f s (deadline %g s)%s; "
+               "a peer is dead or stuck, or slower than the deadline (RuntimeOptions.timeout_s, "
+               "DATTN_TIMEOUT); aborting the job\n",
+               world_rank, what.c_str(), name_.c_str(), size_, waited_s, timeout_s_,
+               detail.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, kWatchdogAbortCode);
+  std::_Exit(kWatchdogAbortCode);  // MPI_Abort does not return; should it, end this rank
+}
+
+int MpiCommunicator::world_rank_of(int rank) const {
+  MPI_Group group, world;
+  int out = MPI_UNDEFINED;
+  if (MPI_Comm_group(comm_, &group) != MPI_SUCCESS) return rank;
+  if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    MPI_Group_translate_ranks(group, 1, &rank, world, &out);
+    MPI_Group_free(&world);
+  }
+  MPI_Group_free(&group);
+  return out == MPI_UNDEFINED ? rank : out;
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -117,6 +232,10 @@ MpiCommunicator::~MpiCommunicator() {
 
 RequestPtr MpiCommunicator::isend(const void* buf, size_t bytes, int peer, int tag) {
   auto req = std::make_unique<MpiRequest>();
+  req->send = true;
+  req->peer = peer;
+  req->tag = tag;
+  req->bytes = bytes;
   const char* p = static_cast<const char*>(buf);
   for_each_piece(bytes, [&](size_t off, int n) {
     MPI_Request r;
@@ -129,6 +248,9 @@ RequestPtr MpiCommunicator::isend(const void* buf, size_t bytes, int peer, int t
 
 RequestPtr MpiCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
   auto req = std::make_unique<MpiRequest>();
+  req->peer = peer;
+  req->tag = tag;
+  req->bytes = bytes;
   char* p = static_cast<char*>(buf);
   for_each_piece(bytes, [&](size_t off, int n) {
     MPI_Request r;
@@ -140,10 +262,43 @@ RequestPtr MpiCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
 
 void MpiCommunicator::wait(RequestPtr& request) {
   if (!request) return;
-  auto* r = dynamic_cast<MpiRequest*>(request.get());
-  DATTN_ASSERT(r != nullptr);
-  DATTN_MPI_CHECK(MPI_Waitall(int(r->reqs.size()), r->reqs.data(), MPI_STATUSES_IGNORE));
-  request.reset();
+  std::vector<RequestPtr> one;
+  one.push_back(std::move(request));
+  wait_all(one);
+}
+
+// All the requests under one deadline (a ring step's sends and receives complete in any order).
+void MpiCommunicator::wait_all(std::vector<RequestPtr>& requests) {
+  std::vector<MPI_Request> handles;
+  for (const auto& request : requests) {
+    if (!request) continue;
+    auto* r = dynamic_cast<MpiRequest*>(request.get());
+    DATTN_ASSERT(r != nullptr);
+    handles.insert(handles.end(), r->reqs.begin(), r->reqs.end());
+  }
+  double waited = 0;
+  if (!poll(int(handles.size()), handles.data(), timeout_s_, waited)) {
+    // MPI_Testall left every handle as it was: ask each which pieces are still open.
+    std::string pending;
+    size_t i = 0;
+    for (const auto& request : requests) {
+      if (!request) continue;
+      const auto& r = static_cast<const MpiRequest&>(*request);
+      bool open = false;
+      for (size_t p = 0; p < r.reqs.size(); ++p, ++i) {
+        int flag = 1;
+        MPI_Request_get_status(handles[i], &flag, MPI_STATUS_IGNORE);
+        open = open || !flag;
+      }
+      if (!open) continue;
+      pending +=
+          detail::cat(pending.empty() ? "; pending: " : ", ", r.send ? "send to" : "recv from",
+                      " rank ", world_rank_of(r.peer), " (tag ", r.tag, ", ", r.bytes, " B)");
+    }
+    expire("point-to-point wait", waited, pending);
+  }
+  // Complete: the handles were released (the copies in the requests are stale; nothing reads them).
+  requests.clear();
 }
 
 void MpiCommunicator::sendrecv(const void* send_buf, size_t send_bytes, int dest, void* recv_buf,
@@ -157,29 +312,38 @@ void MpiCommunicator::sendrecv(const void* send_buf, size_t send_bytes, int dest
 void MpiCommunicator::allreduce(const void* send, void* recv, size_t count, DType dtype,
                                 ReduceOp op) {
   const void* s = send == recv ? MPI_IN_PLACE : send;
-  DATTN_MPI_CHECK(
-      MPI_Allreduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op, dtype), comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Iallreduce(s, recv, as_int(count, "count"), mpi_type(dtype),
+                                 mpi_op(op, dtype), comm_, &r));
+  complete(r, "allreduce");
   counters_.add("allreduce", count * dtype_size(dtype));
 }
 
 void MpiCommunicator::allreduce_u64(const uint64_t* send, uint64_t* recv, size_t count,
                                     ReduceOp op) {
   const void* s = send == recv ? MPI_IN_PLACE : send;
-  DATTN_MPI_CHECK(MPI_Allreduce(s, recv, as_int(count, "count"), MPI_UINT64_T, mpi_op(op), comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(
+      MPI_Iallreduce(s, recv, as_int(count, "count"), MPI_UINT64_T, mpi_op(op), comm_, &r));
+  complete(r, "allreduce (control)");
   counters_.add("control", count * sizeof(uint64_t));
 }
 
 void MpiCommunicator::reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                              int root) {
   const void* s = (send == recv && rank_ == root) ? MPI_IN_PLACE : send;
-  DATTN_MPI_CHECK(
-      MPI_Reduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op, dtype), root, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ireduce(s, recv, as_int(count, "count"), mpi_type(dtype), mpi_op(op, dtype),
+                              root, comm_, &r));
+  complete(r, "reduce", root);
   counters_.add("reduce", count * dtype_size(dtype));
 }
 
 void MpiCommunicator::allgather(const void* send, void* recv, size_t bytes_per_rank) {
   int n = as_int(bytes_per_rank, "bytes_per_rank");
-  DATTN_MPI_CHECK(MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r));
+  complete(r, "allgather");
   counters_.add("allgather", bytes_per_rank);
 }
 
@@ -196,25 +360,33 @@ void MpiCommunicator::allgatherv(const void* send, size_t send_bytes, void* recv
     displs[size_t(r)] = as_int(off, "allgatherv displacement");
     off += recv_bytes[size_t(r)];
   }
-  DATTN_MPI_CHECK(MPI_Allgatherv(send, counts[size_t(rank_)], MPI_BYTE, recv, counts.data(),
-                                 displs.data(), MPI_BYTE, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Iallgatherv(send, counts[size_t(rank_)], MPI_BYTE, recv, counts.data(),
+                                  displs.data(), MPI_BYTE, comm_, &r));
+  complete(r, "allgatherv");
   counters_.add("allgather", send_bytes);
 }
 
 void MpiCommunicator::gather(const void* send, void* recv, size_t bytes_per_rank, int root) {
   const int n = as_int(bytes_per_rank, "bytes_per_rank");
-  DATTN_MPI_CHECK(MPI_Gather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Igather(send, n, MPI_BYTE, recv, n, MPI_BYTE, root, comm_, &r));
+  complete(r, "gather", root);
   counters_.add("gather", rank_ == root ? 0 : bytes_per_rank);
 }
 
 void MpiCommunicator::broadcast(void* buf, size_t bytes, int root) {
-  DATTN_MPI_CHECK(MPI_Bcast(buf, as_int(bytes, "bytes"), MPI_BYTE, root, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ibcast(buf, as_int(bytes, "bytes"), MPI_BYTE, root, comm_, &r));
+  complete(r, "broadcast", root);
   counters_.add("broadcast", rank_ == root ? bytes : 0);
 }
 
 void MpiCommunicator::alltoall(const void* send, void* recv, size_t bytes_per_rank) {
   int n = as_int(bytes_per_rank, "bytes_per_rank");
-  DATTN_MPI_CHECK(MPI_Alltoall(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ialltoall(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r));
+  complete(r, "alltoall");
   counters_.add("alltoall", size_t(size_ - 1) * bytes_per_rank);
 }
 
@@ -235,25 +407,39 @@ void MpiCommunicator::alltoallv(const void* send, const std::vector<size_t>& sen
     ro += recv_bytes[size_t(r)];
     if (r != rank_) sent += send_bytes[size_t(r)];
   }
-  DATTN_MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(),
-                                MPI_BYTE, comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ialltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(),
+                                 MPI_BYTE, comm_, &r));
+  complete(r, "alltoallv");
   counters_.add("alltoall", sent);
 }
 
 void MpiCommunicator::barrier() {
-  DATTN_MPI_CHECK(MPI_Barrier(comm_));
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ibarrier(comm_, &r));
+  complete(r, "barrier");
 }
 
+// MPI has no non-blocking split: a barrier under the deadline comes first, so that a missing
+// rank is caught there, and every rank then enters MPI_Comm_split together.
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) const {
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ibarrier(comm_, &r));
+  complete(r, "split");
   MPI_Comm sub;
   DATTN_MPI_CHECK(MPI_Comm_split(comm_, color, key, &sub));
-  return std::unique_ptr<Communicator>(new MpiCommunicator(sub, Adopt{}));
+  return std::unique_ptr<Communicator>(
+      new MpiCommunicator(sub, timeout_s_, name_ + " (split)", Adopt{}));
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split_node() const {
+  MPI_Request r;
+  DATTN_MPI_CHECK(MPI_Ibarrier(comm_, &r));
+  complete(r, "split (node)");
   MPI_Comm sub;
   DATTN_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &sub));
-  return std::unique_ptr<Communicator>(new MpiCommunicator(sub, Adopt{}));
+  return std::unique_ptr<Communicator>(
+      new MpiCommunicator(sub, timeout_s_, name_ + " (node)", Adopt{}));
 }
 
 }  // namespace dattn

@@ -18,7 +18,11 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   MPI_Initialized(&initialized);
   if (!initialized) DATTN_THROW("MPI is not initialised: call MPI_Init before Runtime::from_mpi");
   Runtime rt;
-  rt.world_ = std::make_unique<MpiCommunicator>(comm);
+  // A bad timeout_s is reported below by the agreed validation, on every rank; until then the
+  // default deadline applies.
+  const bool timeout_ok = options.timeout_s >= 0;
+  rt.world_ = std::make_unique<MpiCommunicator>(comm, timeout_ok ? options.timeout_s : 0.0);
+  rt.world_->set_name("world");
   set_error_rank(rt.world_->rank());
   const int P = rt.world_->size();
 
@@ -36,6 +40,8 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     DATTN_CHECK_ARG(cp * options.tp == P, "cp x tp", detail::cat(cp, " x ", options.tp),
                     detail::cat("the number of ranks (", P, ")"));
     DATTN_CHECK_ARG(options.threads >= 0, "threads", options.threads, ">= 0 (0: automatic)");
+    DATTN_CHECK_ARG(timeout_ok, "timeout_s", options.timeout_s,
+                    ">= 0 seconds (0: DATTN_TIMEOUT, else 300)");
     DATTN_CHECK_ARG(options.node_size >= 0, "node_size", options.node_size,
                     ">= 0 (0: the real nodes)");
     DATTN_CHECK_ARG(options.ulysses >= 1 && cp % options.ulysses == 0, "ulysses", options.ulysses,
@@ -45,6 +51,7 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   rt.tp_ = options.tp;
   // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
   rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);
+  rt.cp_->set_name("cp");
   rt.node_ranks_ = rt.world_->split_node()->size();
   // Nodes: the cp ranks that share a node (or a declared fake node), and the node leaders.
   {
@@ -52,6 +59,8 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     rt.node_ =
         options.node_size > 0 ? rt.cp_->split(c / options.node_size, c) : rt.cp_->split_node();
     rt.node_leaders_ = rt.cp_->split(rt.node_->rank() == 0 ? 0 : 1, c);
+    rt.node_->set_name("node");
+    rt.node_leaders_->set_name("node leaders");
   }
   // Hybrid groups: U consecutive cp ranks exchange heads; rank u of every group forms a ring.
   rt.ulysses_ = options.ulysses;
@@ -59,6 +68,8 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
     const int c = rt.cp_->rank(), U = rt.ulysses_;
     rt.ulysses_group_ = rt.cp_->split(c / U, c % U);
     rt.ring_group_ = rt.cp_->split(c % U, c / U);
+    rt.ulysses_group_->set_name("ulysses group");
+    rt.ring_group_->set_name("ring group");
   }
 
   // Threads: explicit, else OMP_NUM_THREADS, else the node's cores shared among its ranks

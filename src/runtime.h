@@ -28,6 +28,13 @@ struct RuntimeOptions {
   // fast mode: nothing is scanned). DATTN_CHECK_FINITE=1 in the environment turns it on as well;
   // either one is enough, and DATTN_CHECK_FINITE=0 or unset leaves this option as it is.
   bool check_finite = false;
+  // The watchdog's deadline in seconds: a rank that waits longer than this in any collective or
+  // point-to-point wait of dattn's communicators prints one "dattn watchdog:" line naming the
+  // operation, the group and the peers, and aborts the job (exit code 14), so that a dead or
+  // stuck rank ends the job instead of hanging it. Precedence: a value > 0 here wins; else the
+  // environment variable DATTN_TIMEOUT (seconds > 0, "inf" for no deadline); else 300 s.
+  // Not part of the configuration the ranks must agree on.
+  double timeout_s = 0;
 };
 
 // Whether DATTN_CHECK_FINITE=1 is set (the non-finite check of the entry points that take no

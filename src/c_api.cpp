@@ -8,6 +8,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,17 @@ dattn_status status_of(const std::string& message) {
   if (message.find("internal error") != std::string::npos) return DATTN_ERROR_INTERNAL;
   if (message.find("out of memory") != std::string::npos) return DATTN_ERROR_OUT_OF_MEMORY;
   return DATTN_ERROR_INVALID_ARGUMENT;
+}
+
+// The integer a C caller stored in an enum field or passed as an enum argument. C lets any int
+// through an enum type, but in C++ reading an enum object whose value lies outside its
+// enumerators' range is undefined (UBSan: "load of value 7, which is not a valid value for type
+// 'dattn_dtype'"), so the bytes are read as the underlying integer and checked as an int.
+template <typename E>
+int c_enum(const E& e) {
+  std::underlying_type_t<E> v;
+  std::memcpy(&v, &e, sizeof v);
+  return int(v);
 }
 
 // Runs body; no exception leaves. Sets this thread's message and returns the status.
@@ -93,7 +105,7 @@ std::vector<int64_t> copy_cu_seqlens(const int64_t* cu, int64_t n, const char* n
 
 dattn::Layout make_layout(const dattn_layout* l, int ranks) {
   DATTN_CHECK_ARG(l != nullptr, "layout", "NULL", "a dattn_layout");
-  switch (l->kind) {
+  switch (c_enum(l->kind)) {
     case DATTN_LAYOUT_CONTIGUOUS:
       return dattn::Layout::contiguous(l->global_seq, ranks);
     case DATTN_LAYOUT_ZIGZAG:
@@ -110,7 +122,7 @@ dattn::Layout make_layout(const dattn_layout* l, int ranks) {
       return dattn::Layout::varlen(std::move(cu), ranks);
     }
   }
-  DATTN_THROW("invalid layout.kind = ", int(l->kind),
+  DATTN_THROW("invalid layout.kind = ", c_enum(l->kind),
               ": expected DATTN_LAYOUT_CONTIGUOUS (0), ZIGZAG (1), STRIPED (2) or VARLEN (3)");
 }
 
@@ -121,7 +133,7 @@ dattn::AttnSpec make_spec(const dattn_spec* s) {
                        .head_dim = s->head_dim,
                        .head_dim_v = s->head_dim_v,
                        .softmax_scale = s->softmax_scale};
-  switch (s->mask) {
+  switch (c_enum(s->mask)) {
     case DATTN_MASK_NONE:
       spec.mask = dattn::Mask::none();
       break;
@@ -138,14 +150,15 @@ dattn::AttnSpec make_spec(const dattn_spec* s) {
                                         s->document_causal != 0);
       break;
     default:
-      DATTN_THROW("invalid spec.mask = ", int(s->mask),
+      DATTN_THROW("invalid spec.mask = ", c_enum(s->mask),
                   ": expected DATTN_MASK_NONE (0), CAUSAL (1), WINDOW (2) or DOCUMENT (3)");
   }
   spec.validate();
   return spec;
 }
 
-dattn::Strategy make_strategy(dattn_strategy s) {
+// s: the caller's dattn_strategy as an int (c_enum).
+dattn::Strategy make_strategy(int s) {
   switch (s) {
     case DATTN_STRATEGY_RING:
       return dattn::Strategy::ring;
@@ -154,7 +167,7 @@ dattn::Strategy make_strategy(dattn_strategy s) {
     case DATTN_STRATEGY_HYBRID:
       return dattn::Strategy::hybrid;
   }
-  DATTN_THROW("invalid strategy = ", int(s),
+  DATTN_THROW("invalid strategy = ", s,
               ": expected DATTN_STRATEGY_RING (0), ULYSSES (1) or HYBRID (2)");
 }
 
@@ -162,7 +175,7 @@ dattn::Strategy make_strategy(dattn_strategy s) {
 dattn::Tensor make_input(const dattn_tensor* t, const char* name) {
   DATTN_CHECK_ARG(t != nullptr, name, "NULL", "a dattn_tensor");
   dattn::DType dtype;
-  switch (t->dtype) {
+  switch (c_enum(t->dtype)) {
     case DATTN_FP32:
       dtype = dattn::DType::f32;
       break;
@@ -173,7 +186,7 @@ dattn::Tensor make_input(const dattn_tensor* t, const char* name) {
       dtype = dattn::DType::f16;
       break;
     default:
-      DATTN_THROW("invalid ", name, ".dtype = ", int(t->dtype),
+      DATTN_THROW("invalid ", name, ".dtype = ", c_enum(t->dtype),
                   ": expected DATTN_FP32 (0), DATTN_BF16 (1) or DATTN_FP16 (2)");
   }
   int64_t numel = 1;
@@ -209,7 +222,7 @@ struct Call {
 
 Call make_call(dattn::Runtime& rt, const dattn_tensor* q, const dattn_tensor* k,
                const dattn_tensor* v, const dattn_spec* spec, const dattn_layout* layout,
-               dattn_strategy strategy) {
+               int strategy) {
   Call c;
   c.q = make_input(q, "q");
   c.k = make_input(k, "k");
@@ -236,7 +249,7 @@ extern "C" const char* dattn_last_error(void) {
 }
 
 extern "C" const char* dattn_status_name(dattn_status status) {
-  switch (status) {
+  switch (c_enum(status)) {
     case DATTN_OK:
       return "ok";
     case DATTN_ERROR_INVALID_ARGUMENT:
@@ -322,7 +335,7 @@ extern "C" dattn_status dattn_attention_forward(dattn_runtime* runtime, const da
     dattn::Runtime& rt = runtime_of(runtime);
     std::optional<Call> c;
     agree(rt, "dattn_attention_forward arguments", [&] {
-      c = make_call(rt, q, k, v, spec, layout, strategy);
+      c = make_call(rt, q, k, v, spec, layout, c_enum(strategy));
       check_output(out, c->B * c->S * c->spec.heads_q * c->spec.dim_v(), "out",
                    "batch x seq x heads_q x head_dim_v");
       check_output(lse, c->B * c->spec.heads_q * c->S, "lse", "batch x heads_q x seq");
@@ -346,7 +359,7 @@ extern "C" dattn_status dattn_attention_backward(dattn_runtime* runtime, const d
     dattn::Partial fwd;
     dattn::Tensor dout_t;
     agree(rt, "dattn_attention_backward arguments", [&] {
-      c = make_call(rt, q, k, v, spec, layout, strategy);
+      c = make_call(rt, q, k, v, spec, layout, c_enum(strategy));
       const int64_t B = c->B, S = c->S, H = c->spec.heads_q, Dv = c->spec.dim_v();
       DATTN_CHECK_ARG(out != nullptr || B * S * H * Dv == 0, "out", "NULL",
                       cat("the forward's out (", B * S * H * Dv, " floats)"));

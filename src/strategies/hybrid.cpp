@@ -39,6 +39,7 @@ size_t copy_block(char* tensor, int64_t B, int64_t seq, int64_t all_heads, int64
 // The lse rows [B, heads, rows] of an lse tensor [B, all_heads, seq] at head0 / row0.
 size_t copy_lse(float* lse, int64_t B, int64_t seq, int64_t all_heads, int64_t row0, int64_t rows,
                 int64_t head0, int64_t heads, char* buf, bool to_buffer) {
+  if (rows == 0) return 0;  // an empty share: buf may be null, and memcpy takes no null pointer
   size_t off = 0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < heads; ++h) {

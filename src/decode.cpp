@@ -54,6 +54,7 @@ namespace {
 // src_row0) into dst (dst_seq rows per entry, at dst_row0); row = bytes per row.
 void copy_rows(const void* src, int64_t src_seq, int64_t src_row0, void* dst, int64_t dst_seq,
                int64_t dst_row0, int64_t batch, int64_t rows, size_t row) {
+  if (rows == 0) return;  // an empty shard's tensors may have no data (memcpy takes no null)
   for (int64_t b = 0; b < batch; ++b)
     std::memcpy(static_cast<char*>(dst) + size_t(b * dst_seq + dst_row0) * row,
                 static_cast<const char*>(src) + size_t(b * src_seq + src_row0) * row,

@@ -1,6 +1,7 @@
 // The CPU attention kernel: for each (batch, query head, query tile) an online-softmax pass
 // over the key tiles, with S = Q K^T and O += P V as BLAS sgemm calls on the tiles, then one
-// merge of the tile's partial into the running partial (kernels/merge.h).
+// merge of the tile's partial into the running partial (kernels/merge.h). NaN or inf where the
+// mask hides it never reaches a row that does not see it (see add_pv_sanitised).
 #include "kernels/cpu/attention_cpu.h"
 
 #include <cblas.h>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cpu/finite.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/error.h"
@@ -29,23 +31,26 @@ struct Workspace {
   float* q = nullptr;               // [kTileQ, D]   converted queries (16-bit inputs only)
   float* k = nullptr;               // [kTileK, D]   converted keys
   float* v = nullptr;               // [kTileK, Dv]  converted values
+  float* vs = nullptr;              // [kTileK, Dv]  values with non-finite rows zeroed (rare)
   float* s = nullptr;               // [kTileQ, kTileK] scores, then probabilities
   float* o = nullptr;               // [kTileQ, Dv]  unnormalised output accumulator
+  float* o_saved = nullptr;         // [kTileQ, Dv]  o before a partially masked tile's O += P V
   float* m = nullptr;               // [kTileQ]      running row max
   float* l = nullptr;               // [kTileQ]      running row sum
   std::vector<int64_t> kpos, kdoc;  // [kTileK] key positions and documents of a masked tile
+  std::vector<int64_t> bad;         // rows of V holding NaN or inf (add_pv_sanitised)
 
   Workspace(int64_t d, int64_t dv) : kpos(size_t(kTileK)), kdoc(size_t(kTileK)) {
-    int64_t sizes[] = {kTileQ * d,  kTileK * d, kTileK * dv, kTileQ * kTileK,
-                       kTileQ * dv, kTileQ,     kTileQ};
+    int64_t sizes[] = {kTileQ * d,  kTileK * d,  kTileK * dv, kTileK * dv, kTileQ * kTileK,
+                       kTileQ * dv, kTileQ * dv, kTileQ,      kTileQ};
     int64_t total = 0;
     for (int64_t sz : sizes)
       total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
     mem.reset(static_cast<float*>(std::aligned_alloc(64, size_t(total) * sizeof(float))));
     if (!mem) DATTN_THROW("out of host memory allocating the attention workspace");
     float* p = mem.get();
-    float** slots[] = {&q, &k, &v, &s, &o, &m, &l};
-    for (int i = 0; i < 7; ++i) {
+    float** slots[] = {&q, &k, &v, &vs, &s, &o, &o_saved, &m, &l};
+    for (int i = 0; i < 9; ++i) {
       *slots[i] = p;
       p += (sizes[i] + 15) / 16 * 16;
     }
@@ -66,6 +71,44 @@ const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int
     convert_to_f32(src + r * heads * dim * 2, dtype, buf + r * dim, size_t(dim));
   *ld = dim;
   return buf;
+}
+
+// Whether x[0..n) holds a NaN.
+bool has_nan(const float* x, int64_t n) {
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i)
+    any |= std::isnan(x[i]);
+  return any;
+}
+
+// O[bq, Dv] += P[bq, bk] V[bk, Dv] for a partially masked tile whose V has rows holding NaN or
+// inf. A plain GEMM would multiply the exact zeros of P (masked pairs, rows that see nothing
+// here) by them, and 0 * NaN = NaN would reach rows that never see that key. So the GEMM runs
+// on a copy of V with those rows zeroed, and the pairs that do weigh a bad row (P != 0, or NaN)
+// add it afterwards, so that a NaN or inf a row does see still reaches it. The clean rows' sums
+// are the GEMM's over the same P, bit for bit what they are when those rows hold finite values.
+void add_pv_sanitised(const float* P, int64_t bq, int64_t bk, const float* V, int64_t ldv,
+                      int64_t Dv, Workspace& ws) {
+  ws.bad.clear();
+  for (int64_t j = 0; j < bk; ++j) {
+    const float* row = V + j * ldv;
+    float* dst = ws.vs + j * Dv;
+    if (all_finite(row, Dv)) {
+      std::copy(row, row + Dv, dst);
+    } else {
+      std::fill(dst, dst + Dv, 0.f);
+      ws.bad.push_back(j);
+    }
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(Dv), int(bk), 1.f, P, int(bk),
+              ws.vs, int(Dv), 1.f, ws.o, int(Dv));
+  for (int64_t j : ws.bad)
+    for (int64_t i = 0; i < bq; ++i) {
+      const float p = P[i * bk + j];
+      if (p == 0.f) continue;
+      for (int64_t c = 0; c < Dv; ++c)
+        ws.o[i * Dv + c] += p * V[j * ldv + c];
+    }
 }
 
 }  // namespace
@@ -155,6 +198,10 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
               }
               const float m_new = std::max(ws.m[i], row_max(srow, bk));
               if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
+                // ... unless its scores are NaN (NaN or inf in its q or in a key it sees: hidden
+                // keys are -inf by now), which max() passes over: the row's state becomes NaN,
+                // so that its out and lse are NaN, not those of a row that sees nothing.
+                if (has_nan(srow, bk)) ws.m[i] = ws.l[i] = NAN;
                 std::fill(srow, srow + bk, 0.f);
                 continue;
               }
@@ -169,9 +216,21 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
               ws.l[i] += row_sum;
             }
             if (!any_row) continue;
-            // O += P V  [bq, Dv]
+            // O += P V  [bq, Dv]. A partially masked tile whose V holds NaN or inf takes the slow
+            // path (add_pv_sanitised). Finding out costs a copy of O, not a scan of V: a NaN or
+            // inf in column c of V makes column c of O NaN or inf in every row (P is finite, and
+            // 0 * NaN, 0 * inf are NaN), so O's row 0 after the GEMM tells, and O is restored
+            // from the copy. The copy reads O, hot in cache; scanning V, which the GEMM has not
+            // read yet, cost 2% of a causal forward (S = 4096, one thread; perf). Fully visible
+            // tiles need neither: every row sees every key there, so a NaN is theirs.
+            const bool partial = cover == Mask::Cover::some;
+            if (partial) std::copy(ws.o, ws.o + bq * Dv, ws.o_saved);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(Dv), int(bk), 1.f,
                         ws.s, int(bk), V, int(ldv), 1.f, ws.o, int(Dv));
+            if (partial && !all_finite(ws.o, Dv)) {
+              std::copy(ws.o_saved, ws.o_saved + bq * Dv, ws.o);
+              add_pv_sanitised(ws.s, bq, bk, V, ldv, Dv, ws);
+            }
           }
 
           // Normalise the tile's partial and merge it into the running partial.

@@ -3,10 +3,14 @@
 #include "src/attention.h"
 
 #include <cstring>
+#include <initializer_list>
+#include <tuple>
+#include <utility>
 
 #include "kernels/cpu/attention_backward_cpu.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/merge.h"
+#include "src/check_finite.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
@@ -185,6 +189,20 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
   DATTN_CHECK_ARG(k.size(1) == local, "k seq", k.size(1),
                   detail::cat(local, " (this rank's length under ", layout.str(), ")"));
 }
+
+// The non-finite check of this rank's shards (after the shape checks), positions from the layout.
+void check_shards_finite(Communicator& comm, const Layout& layout,
+                         std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
+  const int rank = comm.rank();
+  for (auto [t, name] : tensors)
+    check_finite_tensor(*t, name, [&](int64_t row) { return layout.global_position(rank, row); });
+}
+
+// The same for attention_local's whole tensors, at positions pos0 + row.
+void check_local_finite(std::initializer_list<std::tuple<const Tensor*, const char*, int64_t>> ts) {
+  for (auto [t, name, pos0] : ts)
+    check_finite_tensor(*t, name, [pos0](int64_t row) { return pos0 + row; });
+}
 }  // namespace
 
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -192,8 +210,10 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
   Communicator& comm = rt.cp();
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   const int U = ulysses_degree_of(rt, strategy);
-  agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)),
-                      [&] { check_attention_call(comm, q, k, v, spec, layout, strategy, U); });
+  agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
+    check_attention_call(comm, q, k, v, spec, layout, strategy, U);
+    if (rt.check_finite()) check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}});
+  });
   if (U == 1) return ring_attention_forward(comm, q, k, v, spec, layout);
   if (strategy == Strategy::ulysses)
     return hybrid_attention_forward(comm, nullptr, q, k, v, spec, layout, comm.rank());
@@ -204,6 +224,8 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0, int64_t k_pos0) {
   check_qkv(q, k, v, spec);
+  if (check_finite_env())
+    check_local_finite({{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}});
   Partial res = empty_partial(q, spec);
   cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), k.size(1), spec);
   blk.q_pos0 = q_pos0;
@@ -248,6 +270,9 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
                                    int64_t q_pos0, int64_t k_pos0) {
   check_qkv(q, k, v, spec);
   check_backward_inputs(q, fwd, dout, spec);
+  if (check_finite_env())
+    check_local_finite(
+        {{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}, {&dout, "dout", q_pos0}});
   const int64_t B = q.size(0), Sq = q.size(1), Sk = k.size(1);
   Gradients g{Tensor::zeros({B, Sq, spec.heads_q, spec.head_dim}, DType::f32),
               Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32),
@@ -272,6 +297,8 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
     check_attention_call(comm, q, k, v, spec, layout, strategy, U);
     check_backward_inputs(q, fwd, dout, spec);
+    if (rt.check_finite())
+      check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}});
   });
   // dout in fp32 once: the schedules move and read it as fp32 whatever the storage dtype.
   const Tensor dout32 = dout.dtype() == DType::f32 ? dout : dout.to(DType::f32);

@@ -32,11 +32,20 @@ struct Partial {
 // Distributed attention forward. Collective over rt.cp(): every rank calls it with the same
 // spec, layout, strategy, batch and dtype. Bad input throws dattn::Error on every rank (the
 // ranks agree on validation before any data moves), naming the parameter and the rank.
+//
+// Non-finite inputs (README "Numerics"): NaN or inf where the mask hides it changes no result: a
+// row's out, lse (and dq) depend only on its own q (and dout) and the keys it sees, a key's dk
+// and dv only on the queries that see it; a row that sees no key has out = 0, lse = -inf, dq = 0
+// whatever its q holds. With RuntimeOptions.check_finite or DATTN_CHECK_FINITE=1 (off by default)
+// each rank scans its q, k, v (and dout in the backward) inside that validation, and a NaN or inf
+// throws on every rank, naming the tensor, the rank, the batch, global position, head and dim of
+// the first one, and its value.
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy = Strategy::ring);
 
 // Attention of one process over whole tensors (no communication): q at global positions
-// q_pos0.., k/v at k_pos0...
+// q_pos0.., k/v at k_pos0... It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q,
+// k, v (and dout, attention_local_backward) for NaN and inf.
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0 = 0, int64_t k_pos0 = 0);
 

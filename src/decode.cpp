@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "kernels/merge.h"
+#include "src/check_finite.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
@@ -325,6 +326,17 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
     DATTN_CHECK_ARG(Sq >= 1 && Sq <= cache.length(), "S_q", Sq,
                     detail::cat("1 to the context length (", cache.length(),
                                 "): append the new tokens' K/V before decoding them"));
+    if (rt.check_finite()) {  // q, and this rank's cache rows (the filled ones only)
+      check_finite_tensor(q, "q", [&](int64_t row) { return cache.length() - Sq + row; });
+      auto cache_position = [&](int64_t row) {
+        for (const Run& r : cache.runs(cache.rank()))
+          if (row >= r.local_begin && row < r.local_begin + r.length)
+            return r.position(row - r.local_begin);
+        return int64_t(-1);
+      };
+      check_finite_rows(cache.k(), "cache k", 0, cache.local_len(), cache_position);
+      check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), cache_position);
+    }
   });
   // The new queries are the last S_q tokens of the context.
   const std::vector<Run> q_runs = {Run{0, cache.length() - Sq, 1, Sq}};

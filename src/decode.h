@@ -68,6 +68,10 @@ class KvCache {
 // length() - S_q .. length() - 1 (append the new tokens' K/V first, so they see themselves).
 // Collective over rt.cp(). Every rank returns the same whole result: out [B, S_q, H_q, D_v] and
 // lse [B, H_q, S_q], fp32. strategy: tree (two-level when rt.spans_nodes()), ring or allgather.
+// A cache's unused capacity is never read. With the non-finite check on (RuntimeOptions.
+// check_finite or DATTN_CHECK_FINITE=1), q and this rank's filled cache rows are scanned during
+// the agreed validation; a NaN or inf throws on every rank naming "q", "cache k" or "cache v",
+// the rank, the batch, global position, head, dim and value.
 Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache,
                Strategy strategy = Strategy::tree);
 

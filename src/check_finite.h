@@ -1,0 +1,44 @@
+// The optional check of the API's input tensors for NaN and inf (RuntimeOptions.check_finite or
+// DATTN_CHECK_FINITE=1): the first non-finite value of a bshd tensor, named by batch, the token's
+// global position, head and dim. The entry points run it inside their agreed validation.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "kernels/cpu/finite.h"
+#include "src/error.h"
+#include "src/tensor.h"
+
+namespace dattn {
+
+// Scans rows [row0, row0 + rows) of every batch entry of the bshd tensor t [B, S, H, D] and
+// throws dattn::Error naming `name`, the first non-finite value and where it is: batch, the
+// global position position(row) of its row, the local row, head and dim. Batch by batch, rows
+// in order: the first in memory order.
+inline void check_finite_rows(const Tensor& t, const std::string& name, int64_t row0, int64_t rows,
+                              const std::function<int64_t(int64_t)>& position) {
+  const int64_t S = t.size(1), H = t.size(2), D = t.size(3);
+  if (rows <= 0 || H * D == 0) return;
+  for (int64_t b = 0; b < t.size(0); ++b) {
+    const int64_t first = (b * S + row0) * H * D;
+    const int64_t i = cpu::find_non_finite(
+        static_cast<const char*>(t.data()) + size_t(first) * dtype_size(t.dtype()), t.dtype(),
+        rows * H * D);
+    if (i < 0) continue;
+    const int64_t row = row0 + i / (H * D), h = (i / D) % H, d = i % D;
+    DATTN_THROW("invalid ", name, " = ", t.get(first + i), " at batch ", b, ", position ",
+                position(row), " (local row ", row, "), head ", h, ", dim ", d,
+                ": expected finite values (the non-finite check is on: "
+                "RuntimeOptions.check_finite or DATTN_CHECK_FINITE=1)");
+  }
+}
+
+// The whole tensor.
+inline void check_finite_tensor(const Tensor& t, const std::string& name,
+                                const std::function<int64_t(int64_t)>& position) {
+  check_finite_rows(t, name, 0, t.size(1), position);
+}
+
+}  // namespace dattn

@@ -1,6 +1,7 @@
 // dtype names and the fp16 <-> fp32 conversions (bit-exact, round to nearest even).
 #include "src/dtype.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "src/error.h"
@@ -84,7 +85,12 @@ __attribute__((target("f16c,avx"))) size_t f16_to_f32_f16c(const f16* src, float
                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   return i;
 }
-const bool kHaveF16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+const bool kHaveF16c = cpu_has_f16c() && __builtin_cpu_supports("avx");
 }  // namespace
 #endif
 

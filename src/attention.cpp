@@ -200,8 +200,8 @@ void check_shards_finite(Communicator& comm, const Layout& layout,
 
 // The same for attention_local's whole tensors, at positions pos0 + row.
 void check_local_finite(std::initializer_list<std::tuple<const Tensor*, const char*, int64_t>> ts) {
-  for (auto [t, name, pos0] : ts)
-    check_finite_tensor(*t, name, [pos0](int64_t row) { return pos0 + row; });
+  for (auto [t, name, pos0] : ts)  // an init-capture: clang 14 cannot capture a binding
+    check_finite_tensor(*t, name, [p = pos0](int64_t row) { return p + row; });
 }
 }  // namespace
 

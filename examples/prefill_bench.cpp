@@ -408,7 +408,8 @@ CheckStats check_sampled_rows(const dattn::Partial& res, const Layout& layout, i
   // Keys outside the band of every sampled query are invisible: no need to visit them.
   const int64_t key_begin =
       spec.mask.left >= 0 ? std::max<int64_t>(0, min_pos - spec.mask.left) : 0;
-  const int64_t key_end = spec.mask.right >= 0 ? std::min(S, max_pos + spec.mask.right + 1) : S;
+  const int64_t key_end =  // max_pos + right + 1 could overflow for a huge right window
+      spec.mask.right >= 0 ? max_pos + 1 + std::min(spec.mask.right, S - 1 - max_pos) : S;
   constexpr int64_t kChunk = 256;
   const float* out = res.out.ptr<float>();
   const float* lse = res.lse.ptr<float>();

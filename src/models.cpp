@@ -16,8 +16,8 @@ double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSp
   double pairs = 0;
   for (int64_t q = 0; q < seq_q; ++q) {
     int64_t lo = spec.mask.left < 0 ? 0 : std::max<int64_t>(0, q - spec.mask.left);
-    int64_t hi =
-        spec.mask.right < 0 ? seq_k - 1 : std::min<int64_t>(seq_k - 1, q + spec.mask.right);
+    // q + min(right, ...), not min(..., q + right): a window of right near INT64_MAX overflows.
+    int64_t hi = spec.mask.right < 0 ? seq_k - 1 : q + std::min(spec.mask.right, seq_k - 1 - q);
     if (spec.mask.documents) {
       const auto& cu = *spec.mask.documents;
       const int64_t d = spec.mask.document_of(q);

@@ -46,9 +46,11 @@ struct Mask {
     const auto& cu = *documents;
     return int64_t(std::upper_bound(cu.begin(), cu.end(), pos) - cu.begin()) - 1;
   }
-  // Whether query position q sees key position k (given their documents).
+  // Whether query position q sees key position k (given their documents). Positions are >= 0,
+  // so their differences cannot overflow (q + right could, for a window wider than the int64
+  // range left above q).
   bool in_band(int64_t q, int64_t k) const {
-    return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);
+    return (left < 0 || q - k <= left) && (right < 0 || k - q <= right);
   }
   bool visible(int64_t q, int64_t k) const {
     return in_band(q, k) && document_of(q) == document_of(k);
@@ -59,10 +61,10 @@ struct Mask {
   // per element). Conservative: "some" may turn out to hide everything.
   enum class Cover : uint8_t { none, some, all };
   Cover cover(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi) const {
-    if (q_hi < q_lo || k_hi < k_lo) return Cover::none;  // an empty block
-    if (right >= 0 && k_lo > q_hi + right) return Cover::none;
-    if (left >= 0 && k_hi < q_lo - left) return Cover::none;
-    bool all = (right < 0 || k_hi <= q_lo + right) && (left < 0 || k_lo >= q_hi - left);
+    if (q_hi < q_lo || k_hi < k_lo) return Cover::none;         // an empty block
+    if (right >= 0 && k_lo - q_hi > right) return Cover::none;  // differences: see in_band
+    if (left >= 0 && q_lo - k_hi > left) return Cover::none;
+    bool all = (right < 0 || k_hi - q_lo <= right) && (left < 0 || q_hi - k_lo <= left);
     if (documents) {
       const int64_t dq_lo = document_of(q_lo), dq_hi = document_of(q_hi);
       const int64_t dk_lo = document_of(k_lo), dk_hi = document_of(k_hi);

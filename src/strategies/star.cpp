@@ -159,7 +159,7 @@ double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t ba
   // Visible keys of the query at p among positions [lo, hi] under the band.
   auto count = [&](int64_t p, int64_t lo, int64_t hi) {
     lo = m.left < 0 ? lo : std::max(lo, p - m.left);
-    hi = m.right < 0 ? hi : std::min(hi, p + m.right);
+    hi = m.right < 0 ? hi : p + std::min(m.right, hi - p);  // not p + right: it may overflow
     return double(std::max<int64_t>(0, hi - lo + 1));
   };
   double pairs = 0;

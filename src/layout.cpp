@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "collective/communicator.h"
 #include "src/error.h"
@@ -49,12 +50,18 @@ Layout Layout::striped(int64_t global_seq, int ranks, int64_t block) {
   DATTN_CHECK_ARG(block >= 1, "stripe block", block, ">= 1 token");
   Layout l(Kind::striped, global_seq, ranks);
   l.block_ = block;
-  const int64_t blocks = (global_seq + block - 1) / block;  // the last may be partial
+  // Written so that no intermediate exceeds global_seq (sizes near the int64 limit, a block
+  // wider than the sequence): blocks * block may, and so may ranks * block, which is only a
+  // stride when a rank holds a second block, and then it lies below global_seq.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t blocks = global_seq / block + (global_seq % block != 0);  // the last may be partial
+  const int64_t stride = block <= kMax / ranks ? ranks * block : kMax;
   for (int r = 0; r < ranks; ++r) {
-    const int64_t mine = blocks > r ? (blocks - r + ranks - 1) / ranks : 0;  // blocks r, r+P, ..
-    int64_t len = mine * block;
-    if (mine > 0 && r + (mine - 1) * ranks == blocks - 1) len -= blocks * block - global_seq;
-    l.runs_[size_t(r)].push_back(Run{0, r * block, ranks * block, len, block});
+    const int64_t mine = blocks > r ? (blocks - r - 1) / ranks + 1 : 0;  // blocks r, r+P, ..
+    const bool has_last = mine > 0 && r + (mine - 1) * ranks == blocks - 1;
+    const int64_t len =
+        has_last ? (mine - 1) * block + (global_seq - (blocks - 1) * block) : mine * block;
+    l.runs_[size_t(r)].push_back(Run{0, mine > 0 ? r * block : global_seq, stride, len, block});
   }
   return l;
 }
@@ -85,11 +92,14 @@ Layout Layout::blocks(int64_t global_seq, int ranks, int64_t block) {
   DATTN_CHECK_ARG(block >= 1, "block", block, ">= 1 token");
   Layout l(Kind::blocks, global_seq, ranks);
   l.block_ = block;
-  const int64_t nb = (global_seq + block - 1) / block;
+  // r * nb / P and its start in tokens without overflow near the int64 limit: r * nb as
+  // r * (nb / P) + r * (nb % P), both below the limit, and block b starts at min(S, b * block).
+  const int64_t nb = global_seq / block + (global_seq % block != 0);
+  auto first_block = [&](int64_t r) { return r * (nb / ranks) + r * (nb % ranks) / ranks; };
+  auto start = [&](int64_t b) { return b >= nb ? global_seq : b * block; };
   for (int r = 0; r < ranks; ++r) {
-    const int64_t first = r * nb / ranks * block;
-    const int64_t end = std::min(global_seq, (int64_t(r) + 1) * nb / ranks * block);
-    l.runs_[size_t(r)].push_back(Run{0, first, 1, std::max<int64_t>(0, end - first)});
+    const int64_t first = start(first_block(r)), end = start(first_block(int64_t(r) + 1));
+    l.runs_[size_t(r)].push_back(Run{0, first, 1, end - first});
   }
   return l;
 }

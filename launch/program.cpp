@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <exception>
 #include <fstream>
+#include <sstream>
+#include <vector>
 
 #include "src/error.h"
 
@@ -18,6 +20,24 @@ std::string host_name() {
   return buf;
 }
 
+namespace {
+// Boost.Program_options (1.74) writes an error message by replacing each placeholder of its
+// template (%value%, %canonical_option%, ...) with the user's text, again and again until none is
+// left: text that contains its own placeholder (`-s %value%`, `--%canonical_option%`, a config
+// line with %invalid_line%) never ends (found by tests/fuzz/fuzz_cli). So an error whose input
+// holds a placeholder gets this message instead of Boost's what().
+std::string error_message(const boost::program_options::error& e,
+                          const std::vector<std::string>& input) {
+  for (const std::string& text : input)
+    for (const char* token : {"%value%", "%option%", "%original_token%", "%canonical_option%",
+                              "%prefix%", "%invalid_line%"})
+      if (text.find(token) != std::string::npos)
+        return detail::cat("invalid option or value '", text, "': expected no Boost placeholder (",
+                           token, ")");
+  return e.what();
+}
+}  // namespace
+
 void parse_command_line(int argc, char** argv,
                         const boost::program_options::options_description& desc,
                         boost::program_options::variables_map& vm) {
@@ -25,23 +45,30 @@ void parse_command_line(int argc, char** argv,
   try {
     po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
   } catch (const po::error& e) {
-    throw UsageError(e.what());
+    throw UsageError(error_message(e, std::vector<std::string>(argv, argv + argc)));
   }
   // The config file second: Boost keeps the first value stored, so the command line wins.
+  std::string config;
   if (desc.find_nothrow("config", false) && vm.count("config")) {
     const std::string file = vm["config"].as<std::string>();
     std::ifstream in(file);
     if (!in) throw UsageError("invalid --config = " + file + ": expected a readable file");
+    std::ostringstream text;
+    text << in.rdbuf();
+    config = text.str();
+    std::istringstream lines(config);
     try {
-      po::store(po::parse_config_file(in, desc), vm);
+      po::store(po::parse_config_file(lines, desc), vm);
     } catch (const po::error& e) {
-      throw UsageError("in --config " + file + ": " + e.what());
+      throw UsageError("in --config " + file + ": " + error_message(e, {config}));
     }
   }
   try {
     po::notify(vm);
   } catch (const po::error& e) {
-    throw UsageError(e.what());
+    std::vector<std::string> input(argv, argv + argc);
+    input.push_back(config);
+    throw UsageError(error_message(e, input));
   }
 }
 

@@ -262,9 +262,10 @@ std::optional<Options> parse_options(int argc, char** argv) {
     require_option(
         lens && std::all_of(lens->begin(), lens->end(), [](int64_t n) { return n >= 1; }),
         "--doc-lens", o.doc_lens_str, "comma-separated lengths >= 1");
-    int64_t sum = 0;
+    int64_t sum = 0;  // saturated: lengths past the int64 range only have to read as too many
     for (int64_t n : *lens)
-      sum += n;
+      sum = n > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max()
+                                                          : sum + n;
     require_option(o.seq_end == o.seq_begin, "--doc-lens", o.doc_lens_str,
                    "one sequence length (--seq-end equal to --seq-begin); or use --doc-count");
     require_option(sum == o.seq_begin, "--doc-lens", o.doc_lens_str,

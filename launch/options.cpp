@@ -61,7 +61,7 @@ void resolve_launch_options(LaunchOptions& o, int default_tp) {
   require_option(o.cp >= 0, "--cp", o.cp, ">= 1");
   if (o.tp == 0) o.tp = o.cp > 0 && o.world % o.cp == 0 ? o.world / o.cp : default_tp;
   if (o.cp == 0) o.cp = o.world / o.tp;
-  require_option(o.cp * o.tp == o.world, "--cp x --tp", cat(o.cp, " x ", o.tp),
+  require_option(int64_t(o.cp) * o.tp == o.world, "--cp x --tp", cat(o.cp, " x ", o.tp),
                  cat("a product equal to the number of ranks (", o.world, ")"));
   require_option(o.device == "cpu" || o.device == "cuda", "--device", o.device, "cpu or cuda");
   require_option(o.device_id >= -1, "--device-id", o.device_id, ">= 0");

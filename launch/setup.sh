@@ -17,12 +17,13 @@ die() { echo "dattn setup: error: $*" >&2; exit 1; }
 # ---------------------------------------------------------------- Debian packages
 # The compiler and build tools, Open MPI, Boost.Program_options (the CLI), GoogleTest/GoogleMock,
 # OpenBLAS with its pthread variant (the CPU tile GEMMs; without it the reference BLAS is used,
-# ~50x slower), clang-format for the format check, and, for Debian's /usr/bin/python3,
+# ~50x slower), clang-format for the format check, clang with its sanitizer and libFuzzer
+# runtimes and its OpenMP (the fuzz build, DATTN_FUZZ), and, for Debian's /usr/bin/python3,
 # matplotlib for the charts of launch/plot.py and what the Python binding (python/) builds and
 # is tested with: its headers, pybind11, numpy and torch (CPU).
 packages=(cmake g++ make libopenmpi-dev openmpi-bin libboost-program-options-dev libgtest-dev
-          libgmock-dev libopenblas-dev libopenblas0-pthread clang-format python3-matplotlib
-          python3-dev pybind11-dev python3-numpy python3-torch)
+          libgmock-dev libopenblas-dev libopenblas0-pthread clang-format clang libclang-rt-dev
+          libomp-dev python3-matplotlib python3-dev pybind11-dev python3-numpy python3-torch)
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   say "not a Debian system (no dpkg-query): skipping package install; needs ${packages[*]}"

@@ -163,12 +163,32 @@ trap 'exit 129' HUP
 t_phase=$EPOCHREALTIME
 
 # Two free TCP ports (slurmctld, slurmd), so that another Slurm on this machine does not collide.
-port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-base=$((20000 + (RANDOM % 2000) * 16))
-for ((i = 0; i < 50; i++, base += 2)); do
-  port_free "$base" && port_free "$((base + 1))" && break
-done
-ctld_port=$base slurmd_port=$((base + 1))
+# They come from below the kernel's ephemeral range (ip_local_port_range): a port there can be the
+# local end of any outgoing connection at any moment, which makes slurmctld's bind fail with
+# "Address already in use" although nothing listens on it. A port counts as used when any socket
+# in /proc/net/tcp{,6} has it as its local port, in any state.
+used_ports() {
+  local f _sl addr _rest
+  for f in /proc/net/tcp /proc/net/tcp6; do
+    [[ -r $f ]] || continue
+    while read -r _sl addr _rest; do
+      [[ $addr = *:* ]] && echo $((16#${addr##*:}))
+    done < <(tail -n +2 "$f")
+  done
+}
+pick_ports() {
+  local low=32768 used base i
+  read -r low _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+  ((low > 12000)) || low=32768
+  used=" $(used_ports | tr '\n' ' ') "
+  for ((i = 0; i < 200; i++)); do
+    base=$((10000 + RANDOM % (low - 10002)))
+    [[ $used = *" $base "* || $used = *" $((base + 1)) "* ]] && continue
+    ctld_port=$base slurmd_port=$((base + 1))
+    return 0
+  done
+  fail "no two free TCP ports below $low"
+}
 
 # munge: its own key and socket in the private folder, owned by the munge user.
 mkdir -p "$dir/munge" "$dir/state" "$dir/spool" "$dir/tmp"
@@ -189,7 +209,8 @@ done
 
 ncpu=$(nproc)
 mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.9 }' /proc/meminfo)
-cat >"$conf" <<EOF
+write_conf() {
+  cat >"$conf" <<EOF
 # One-node Slurm of tests/slurm/slurm_test.sh (temporary).
 ClusterName=dattntest
 SlurmctldHost=localhost
@@ -222,17 +243,43 @@ SchedulerParameters=batch_sched_delay=0
 NodeName=localhost NodeAddr=127.0.0.1 Sockets=1 CoresPerSocket=$ncpu ThreadsPerCore=1 RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+}
 
-slurmctld -D -i -f "$conf" </dev/null >"$dir/slurmctld.stdout" 2>&1 &
-ctld_pid=$!
-slurmd -D -N localhost -f "$conf" </dev/null >"$dir/slurmd.stdout" 2>&1 &
-slurmd_pid=$!
+# Starts both daemons and waits until the node is idle. Returns 3 when a daemon could not bind its
+# port (taken between pick_ports and the bind), so the caller can retry on other ports.
+start_daemons() {
+  local f
+  rm -f "$dir"/slurmctld.stdout "$dir"/slurmd.stdout "$dir"/state/*
+  slurmctld -D -i -f "$conf" </dev/null >"$dir/slurmctld.stdout" 2>&1 &
+  ctld_pid=$!
+  slurmd -D -N localhost -f "$conf" </dev/null >"$dir/slurmd.stdout" 2>&1 &
+  slurmd_pid=$!
+  until [[ $(sinfo -h -n localhost -o %t 2>/dev/null) = idle ]]; do
+    for f in slurmctld slurmd; do
+      local pid=$ctld_pid
+      [[ $f = slurmd ]] && pid=$slurmd_pid
+      kill -0 "$pid" 2>/dev/null && continue
+      if grep -q "Address already in use" "$dir/$f.stdout"; then
+        say "$f: port $ctld_port/$slurmd_port taken, retrying on others"
+        stop_pid "$slurmd_pid"; stop_pid "$ctld_pid"
+        ctld_pid='' slurmd_pid=''
+        return 3
+      fi
+      cat "$dir/$f.stdout" >&2
+      fail "$f exited"
+    done
+    ((SECONDS < deadline)) || fail "the node did not become idle within ${timeout_s} s"
+    sleep 0.1
+  done
+}
 
-until [[ $(sinfo -h -n localhost -o %t 2>/dev/null) = idle ]]; do
-  kill -0 "$ctld_pid" 2>/dev/null || { cat "$dir/slurmctld.stdout" >&2; fail "slurmctld exited"; }
-  kill -0 "$slurmd_pid" 2>/dev/null || { cat "$dir/slurmd.stdout" >&2; fail "slurmd exited"; }
-  ((SECONDS < deadline)) || fail "the node did not become idle within ${timeout_s} s"
-  sleep 0.1
+for attempt in 1 2 3 4 5; do
+  pick_ports
+  write_conf
+  rc=0
+  start_daemons || rc=$?
+  ((rc == 0)) && break
+  ((attempt < 5)) || fail "slurmctld or slurmd could not bind a port in 5 attempts"
 done
 t_cluster=$(since "$t_phase")
 say "cluster up on ports $ctld_port/$slurmd_port, $ncpu CPUs: $t_cluster s"

@@ -1,0 +1,16 @@
+// DATTN_CUDA_CHECK: the checking macro for every CUDA runtime call (host code only). A failure
+// throws dattn::Error naming the call, CUDA's error name and text, and file:line, like
+// DATTN_MPI_CHECK does for MPI.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "src/error.h"
+
+#define DATTN_CUDA_CHECK(call)                                                                \
+  do {                                                                                        \
+    const cudaError_t dattn_cuda_err_ = (call);                                               \
+    if (dattn_cuda_err_ != cudaSuccess)                                                       \
+      DATTN_THROW("CUDA call failed: ", #call, ": ", cudaGetErrorName(dattn_cuda_err_), " (", \
+                  int(dattn_cuda_err_), "): ", cudaGetErrorString(dattn_cuda_err_));          \
+  } while (0)

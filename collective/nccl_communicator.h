@@ -1,0 +1,132 @@
+// The NCCL backend of Communicator: device buffers, every NCCL call stream-ordered on one CUDA
+// stream, bootstrapped over MPI, with an MPI side channel for host control data, and the same
+// watchdog contract as the MPI backend (a deadline on every blocking point, then abort, exit 14).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collective/communicator.h"
+#include "collective/mpi_communicator.h"
+
+namespace dattn {
+
+// Semantics, where they differ from MpiCommunicator:
+// - Buffers of isend/irecv/sendrecv and of every collective except allreduce_u64 are DEVICE
+//   pointers on the device that was current at creation. They must be ready with respect to
+//   stream(): work on the legacy default stream is ordered before it implicitly (an owned stream
+//   is a blocking stream); work on other streams needs the caller's event or synchronisation.
+//   Every collective is complete on return (its results are in device memory, usable from any
+//   stream), as with MPI.
+// - Point-to-point: NCCL has no tags, and a send and its matching receive must be issued inside
+//   one ncclGroupStart/End or the pair can deadlock. So isend/irecv only record the operation;
+//   the pending operations are issued together, in one group, when wait/wait_all is called (any
+//   request) or a collective starts; the wait then completes on the stream under the deadline.
+//   Matching: between two ranks, the k-th send of a tag matches the k-th receive of that tag
+//   *within one batch* (the operations posted between two waits); across batches the order of
+//   posting decides. Strategies post each step's receives and sends, then wait: that holds. A
+//   receive's size must equal the matching send's (NCCL has no truncation or probe). barrier()
+//   does not issue pending operations (it is a host-side MPI barrier; issuing p2p there could
+//   wait for a peer that is itself in the barrier).
+// - allreduce_u64 (control data: validation flags and hashes, in host memory) and barrier go
+//   over a private MPI communicator, so the library's host-memory control path works unchanged
+//   on a GPU run; control data never needs a device copy.
+class NcclCommunicator final : public Communicator {
+ public:
+  // Collective over comm. The caller has selected the device (cudaSetDevice) already. timeout_s:
+  // the watchdog's deadline, resolved by resolve_timeout (0: DATTN_TIMEOUT or 300 s); sub-groups
+  // inherit it. stream: the stream every NCCL call of this communicator runs on (not owned); null:
+  // create and own one. A CUDA or NCCL failure on any rank (no GPU, no driver) throws
+  // dattn::Error on every rank; a peer that never joins trips the watchdog instead of hanging.
+  static std::unique_ptr<NcclCommunicator> from_mpi(MPI_Comm comm, double timeout_s = 0,
+                                                    cudaStream_t stream = nullptr);
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  ncclComm_t nccl_comm() const { return comm_; }
+  int device() const { return device_; }
+  double timeout_s() const { return timeout_s_; }
+  // The MPI communicator of the control path (same ranks, same order).
+  MPI_Comm control_comm() const { return control_->comm(); }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+
+  // Tags are accepted and ignored but for ordering within a batch (see above).
+  RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) override;
+  RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) override;
+  void wait(RequestPtr& request) override;
+  void wait_all(std::vector<RequestPtr>& requests) override;
+  void sendrecv(const void* send_buf, size_t send_bytes, int dest, void* recv_buf,
+                size_t recv_bytes, int src, int tag) override;
+
+  void allreduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override;
+  void allreduce_u64(const uint64_t* send, uint64_t* recv, size_t count, ReduceOp op) override;
+  void reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+              int root) override;
+  void allgather(const void* send, void* recv, size_t bytes_per_rank) override;
+  void allgatherv(const void* send, size_t send_bytes, void* recv,
+                  const std::vector<size_t>& recv_bytes) override;
+  void gather(const void* send, void* recv, size_t bytes_per_rank, int root) override;
+  void broadcast(void* buf, size_t bytes, int root) override;
+  void alltoall(const void* send, void* recv, size_t bytes_per_rank) override;
+  void alltoallv(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                 const std::vector<size_t>& recv_bytes) override;
+  void barrier() override;
+
+  std::unique_ptr<Communicator> split(int color, int key) const override;
+  std::unique_ptr<Communicator> split_node() const override;
+
+ private:
+  struct PendingOp {
+    bool send = false;
+    void* buf = nullptr;
+    size_t bytes = 0;
+    int peer = 0;
+    int tag = 0;
+  };
+
+  // Takes ownership of control, comm (already initialised) and, if owns_stream, stream.
+  NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm, cudaStream_t stream,
+                   bool owns_stream, cudaEvent_t done, int device);
+  // Builds a communicator from a control comm: CUDA setup, unique id over control, init.
+  static std::unique_ptr<NcclCommunicator> create(std::unique_ptr<MpiCommunicator> control,
+                                                  cudaStream_t stream,
+                                                  const NcclCommunicator* parent, int color,
+                                                  int key);
+
+  // Issues the pending point-to-point operations in one group.
+  void flush();
+  // Waits until the communicator leaves ncclInProgress (a call on a non-blocking communicator
+  // returned before NCCL finished setting it up); an error or the deadline ends the job.
+  void settle(const char* op) const;
+  // Waits for everything enqueued on the stream so far (an event, polled with the async error).
+  void complete(const char* op, const std::string& peers = "") const;
+  // The watchdog's line on stderr, then ncclCommAbort and MPI_Abort(14).
+  [[noreturn]] void expire(const std::string& what, const std::string& reason, double waited_s,
+                           const std::string& peers) const;
+  std::string all_peers() const;  // "peers: world ranks a, b, ..." of this group
+  void check_rank(int r, const char* what) const;
+
+  std::unique_ptr<MpiCommunicator> control_;  // declared first: released last
+  int device_ = -1;
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
+  cudaEvent_t done_ = nullptr;  // recorded at each blocking point
+  ncclComm_t comm_ = nullptr;
+  int rank_ = 0;
+  int size_ = 1;
+  double timeout_s_ = kDefaultTimeoutS;
+  std::vector<int> world_ranks_;  // rank in this group -> rank in MPI_COMM_WORLD
+  std::vector<PendingOp> pending_;
+};
+
+}  // namespace dattn

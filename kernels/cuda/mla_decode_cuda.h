@@ -1,0 +1,37 @@
+// The absorbed-MLA decode step on CUDA for one process (the math of mla_decode_local, src/mla.h):
+// scores against the shared latent cache, softmax, and the softmax-weighted latent z per head.
+// The caller absorbs W_UK into the query beforehand and applies W_UV to z afterwards.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace dattn::cuda {
+
+// All tensors fp32, contiguous, on the device:
+//   q_latent [batch, seq_q, heads, latent]  q~_h = W_UK_h^T q_nope_h (absorbed by the caller)
+//   q_pe     [batch, seq_q, heads, rope]
+//   c_kv     [batch, seq_kv, latent]         the latent cache, shared by all heads
+//   k_pe     [batch, seq_kv, rope]           the decoupled RoPE keys, shared by all heads
+// Query s sits at position q_pos0 + s, cache row j at position j; query q sees key k when k is in
+// [q - left, q + right] (-1: no limit; the default is causal).
+struct MlaDecodeBlock {
+  const float* q_latent = nullptr;
+  const float* q_pe = nullptr;
+  const float* c_kv = nullptr;
+  const float* k_pe = nullptr;
+  int64_t batch = 0, seq_q = 0, seq_kv = 0, heads = 0, latent = 0, rope = 0;
+  int64_t q_pos0 = 0;
+  float scale = 1.f;  // the MLA softmax scale (MlaConfig::scale())
+  int64_t left = -1, right = 0;
+};
+
+// scores_h[j] = scale * (q~_h . c_j + q_pe_h . k_pe_j) over the visible j; writes (not merges)
+// z [batch, seq_q, heads, latent] = softmax(scores_h) . c and lse [batch, heads, seq_q] (natural
+// log-sum-exp of the scores); a query that sees no cache row gets z = 0, lse = -inf. latent is at
+// most 1024 and rope at most 512. Validated before launch (dattn::Error naming the field);
+// asynchronous on `stream`.
+void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStream_t stream);
+
+}  // namespace dattn::cuda

@@ -1,28 +1,20 @@
 // Whole-tensor merges of partials (see merge.h for the rule), parallel over rows.
 #include "kernels/merge.h"
 
-#include <cstring>
+#include "kernels/movement/movement.h"
 
 namespace dattn {
 
+// Both run the Thrust code of kernels/movement (OMP backend here), the code the GPU build runs
+// on device memory; its merge functor follows merge_row step for step (tests/test_movement.cpp
+// checks the bits).
 void merge_partials(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
                     int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t s = 0; s < seq; ++s) {
-      for (int64_t h = 0; h < heads; ++h) {
-        int64_t row = (b * seq + s) * heads + h;  // bshd row of out
-        int64_t l = (b * heads + h) * seq + s;    // bhs index of lse
-        merge_row(out_a + row * dv, lse_a + l, out_b + row * dv, lse_b[l], dv);
-      }
-    }
-  }
+  movement::host::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv);
 }
 
 void clear_partial(float* out, float* lse, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
-  std::memset(out, 0, sizeof(float) * size_t(batch * seq * heads * dv));
-  for (int64_t i = 0; i < batch * heads * seq; ++i)
-    lse[i] = -INFINITY;
+  movement::host::clear_partial(out, batch * seq * heads * dv, lse, batch * heads * seq);
 }
 
 }  // namespace dattn

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "kernels/merge.h"
+#include "kernels/movement/movement.h"
 #include "src/check_finite.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
@@ -191,27 +192,9 @@ Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs
   // [B, S_q, H, Dv + 1]: the weighted output and its weight. An empty shard (lse = -inf)
   // gives w = 0 and contributes nothing; m = -inf only when every shard is empty.
   std::vector<float> packed(size_t(B * Sq * H * (Dv + 1)));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < Sq; ++s)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t l = (b * H + h) * Sq + s, row = (b * Sq + s) * H + h;
-        const float w = lse[l] == -INFINITY ? 0.f : std::exp(lse[l] - m[size_t(l)]);
-        float* p = packed.data() + row * (Dv + 1);
-        for (int64_t d = 0; d < Dv; ++d)
-          p[d] = w == 0.f ? 0.f : w * out[row * Dv + d];
-        p[Dv] = w;
-      }
+  movement::host::weigh_partial(packed.data(), out, lse, m.data(), B, Sq, H, Dv);
   allreduce_f32(rt, packed.data(), packed.size(), ReduceOp::sum);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < Sq; ++s)
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t l = (b * H + h) * Sq + s, row = (b * Sq + s) * H + h;
-        const float* p = packed.data() + row * (Dv + 1);
-        const float den = p[Dv];
-        for (int64_t d = 0; d < Dv; ++d)
-          out[row * Dv + d] = den > 0.f ? p[d] / den : 0.f;
-        lse[l] = den > 0.f ? m[size_t(l)] + std::log(den) : -INFINITY;
-      }
+  movement::host::unweigh_partial(out, lse, packed.data(), m.data(), B, Sq, H, Dv);
   return res;
 }
 

@@ -2,10 +2,10 @@
 #include "src/layout.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 
 #include "collective/communicator.h"
+#include "kernels/movement/movement.h"
 #include "src/error.h"
 
 namespace dattn {
@@ -197,22 +197,17 @@ size_t row_bytes(const Tensor& t) {
   return n;
 }
 
-// Copies rows between a global tensor and a shard following the runs (to_shard: global ->
-// shard, else shard -> global).
-void copy_runs(const std::vector<Run>& runs, char* global, int64_t global_seq, char* shard,
-               int64_t shard_seq, int64_t batch, size_t row, bool to_shard) {
-  for (int64_t b = 0; b < batch; ++b) {
-    for (const Run& run : runs) {
-      for (int64_t t = 0; t < run.length; ++t) {
-        char* g = global + size_t(b * global_seq + run.position(t)) * row;
-        char* s = shard + size_t(b * shard_seq + run.local_begin + t) * row;
-        if (to_shard)
-          std::memcpy(s, g, row);
-        else
-          std::memcpy(g, s, row);
-      }
-    }
-  }
+// Appends the global row (b * global_seq + position) of each of a shard's batch * shard_seq rows,
+// in the shard's order: the index map that movement's gather (dispatch) and scatter (undispatch)
+// follow. The runs tile the shard, so every entry is set.
+void append_global_rows(std::vector<int64_t>& idx, const std::vector<Run>& runs, int64_t global_seq,
+                        int64_t shard_seq, int64_t batch) {
+  const size_t base = idx.size();
+  idx.resize(base + size_t(batch * shard_seq));
+  for (int64_t b = 0; b < batch; ++b)
+    for (const Run& run : runs)
+      for (int64_t t = 0; t < run.length; ++t)
+        idx[base + size_t(b * shard_seq + run.local_begin + t)] = b * global_seq + run.position(t);
 }
 }  // namespace
 
@@ -232,8 +227,10 @@ Tensor Layout::dispatch(const Tensor& global, int rank) const {
     default:
       shard = Tensor::empty({global.size(0), len, global.size(2), global.size(3)}, global.dtype());
   }
-  copy_runs(runs(rank), static_cast<char*>(global.data()), global_seq_,
-            static_cast<char*>(shard.data()), len, global.size(0), row_bytes(global), true);
+  std::vector<int64_t> idx;
+  append_global_rows(idx, runs(rank), global_seq_, len, global.size(0));
+  movement::host::gather_rows(shard.data(), global.data(), idx.data(), int64_t(idx.size()),
+                              row_bytes(global));
   return shard;
 }
 
@@ -263,12 +260,11 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
     default:
       global = Tensor::empty({B, global_seq_, shard.size(2), shard.size(3)}, shard.dtype());
   }
-  size_t offset = 0;
-  for (int r = 0; r < ranks_; ++r) {
-    copy_runs(runs(r), static_cast<char*>(global.data()), global_seq_, gathered.data() + offset,
-              local_len(r), B, row, false);
-    offset += counts[size_t(r)];
-  }
+  std::vector<int64_t> idx;  // every rank's shard, in the order allgatherv put them
+  for (int r = 0; r < ranks_; ++r)
+    append_global_rows(idx, runs(r), global_seq_, local_len(r), B);
+  movement::host::scatter_rows(global.data(), gathered.data(), idx.data(), int64_t(idx.size()),
+                               row);
   return global;
 }
 

@@ -5,9 +5,9 @@
 // second all-to-all returns every rank its own rows for all heads. Q, K and V travel in one
 // all-to-all, out and lse in the other. The backward is the same with the all-to-alls
 // transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back.
-#include <cstring>
 #include <vector>
 
+#include "kernels/movement/movement.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 
@@ -21,38 +21,27 @@ namespace {
 size_t copy_block(char* tensor, int64_t B, int64_t seq, int64_t all_heads, int64_t row0,
                   int64_t rows, int64_t head0, int64_t heads, int64_t dim, size_t esz, char* buf,
                   bool to_buffer) {
-  const size_t chunk = size_t(heads * dim) * esz;
-  size_t off = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t s = 0; s < rows; ++s) {
-      char* t = tensor + (size_t((b * seq + row0 + s) * all_heads + head0) * size_t(dim)) * esz;
-      if (to_buffer)
-        std::memcpy(buf + off, t, chunk);
-      else
-        std::memcpy(t, buf + off, chunk);
-      off += chunk;
-    }
-  }
-  return off;
+  if (B * rows == 0) return 0;  // an empty share: the tensor and buf may be null
+  const size_t chunk = size_t(heads * dim) * esz, row_stride = size_t(all_heads * dim) * esz;
+  char* t = tensor + size_t(row0 * all_heads + head0) * size_t(dim) * esz;
+  if (to_buffer)
+    movement::host::pack_rows(buf, t, B, rows, size_t(seq) * row_stride, row_stride, chunk);
+  else
+    movement::host::unpack_rows(t, buf, B, rows, size_t(seq) * row_stride, row_stride, chunk);
+  return size_t(B * rows) * chunk;
 }
 
 // The lse rows [B, heads, rows] of an lse tensor [B, all_heads, seq] at head0 / row0.
 size_t copy_lse(float* lse, int64_t B, int64_t seq, int64_t all_heads, int64_t row0, int64_t rows,
                 int64_t head0, int64_t heads, char* buf, bool to_buffer) {
-  if (rows == 0) return 0;  // an empty share: buf may be null, and memcpy takes no null pointer
-  size_t off = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
-      float* t = lse + (b * all_heads + head0 + h) * seq + row0;
-      const size_t n = size_t(rows) * sizeof(float);
-      if (to_buffer)
-        std::memcpy(buf + off, t, n);
-      else
-        std::memcpy(t, buf + off, n);
-      off += n;
-    }
-  }
-  return off;
+  if (B * rows == 0) return 0;  // an empty share: the tensor and buf may be null
+  const size_t f = sizeof(float), n = size_t(rows) * f;
+  float* t = lse + head0 * seq + row0;
+  if (to_buffer)
+    movement::host::pack_rows(buf, t, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
+  else
+    movement::host::unpack_rows(t, buf, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
+  return size_t(B * heads) * n;
 }
 
 // One tensor taking part in an exchange: bshd with `heads` heads per member of `dim` elements of

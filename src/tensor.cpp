@@ -1,4 +1,5 @@
-// Tensor allocation, element access and slicing on the host.
+// Tensor allocation (host memory, or CUDA device memory in a CUDA build), copies between host
+// and device, and element access and slicing on the host.
 #include "src/tensor.h"
 
 #include <algorithm>
@@ -7,6 +8,9 @@
 #include <sstream>
 
 #include "src/error.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/check.h"
+#endif
 
 namespace dattn {
 
@@ -28,16 +32,68 @@ std::array<int64_t, Tensor::kMaxDims> parse_shape(std::initializer_list<int64_t>
   }
   return out;
 }
+
+#if DATTN_WITH_CUDA
+// Throws dattn::Error naming the device unless CUDA sees a device `index`.
+void check_cuda_device(Device device) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess)
+    DATTN_THROW("invalid device = ", device.str(),
+                ": CUDA sees no device (cudaGetDeviceCount: ", cudaGetErrorName(err), ", ",
+                cudaGetErrorString(err), ")");
+  DATTN_CHECK_ARG(device.index >= 0 && device.index < count, "device", device.str(),
+                  detail::cat("an index below the ", count, " CUDA devices of this machine"));
+}
+
+// Makes `index` the current CUDA device for one scope and restores the previous one, so that an
+// allocation on another device does not change the caller's current device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int index) {
+    DATTN_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != index) DATTN_CUDA_CHECK(cudaSetDevice(index));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+#endif
+
+// Throws unless the tensor lives in host memory (element access and host-side copies).
+void check_host(const Tensor& t, const char* what) {
+  DATTN_CHECK_ARG(t.device().is_cpu(), "tensor device", t.device().str(),
+                  detail::cat("cpu for ", what, " (copy it with to_device(Device::cpu()))"));
+}
 }  // namespace
 
 Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DType dtype,
                         Device device) {
-  DATTN_CHECK_ARG(device.is_cpu(), "device", device.str(), "cpu (host allocation)");
   Tensor t;
   t.ndim_ = ndim;
   t.shape_ = shape;
   t.dtype_ = dtype;
   t.device_ = device;
+  if (!device.is_cpu()) {
+#if DATTN_WITH_CUDA
+    check_cuda_device(device);
+    DeviceScope scope(device.index);
+    void* p = nullptr;
+    // cudaMalloc returns memory aligned to at least 256 bytes; never 0 bytes (a null pointer
+    // would read as "no storage").
+    DATTN_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(256, t.nbytes())));
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+    t.data_ = p;
+    return t;
+#else
+    DATTN_THROW("invalid device = ", device.str(),
+                ": this build has no CUDA backend (configure with the CUDA toolkit, "
+                "DATTN_WITH_CUDA=ON)");
+#endif
+  }
   size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);
   void* p = std::aligned_alloc(64, bytes);
   if (p == nullptr) DATTN_THROW("out of host memory allocating ", t.shape_str());
@@ -54,8 +110,29 @@ Tensor Tensor::empty(std::initializer_list<int64_t> shape, DType dtype, Device d
 
 Tensor Tensor::zeros(std::initializer_list<int64_t> shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
+  if (!device.is_cpu()) {
+#if DATTN_WITH_CUDA
+    DeviceScope scope(device.index);
+    DATTN_CUDA_CHECK(cudaMemset(t.data_, 0, t.nbytes()));
+#endif
+    return t;
+  }
   std::memset(t.data_, 0, t.nbytes());
   return t;
+}
+
+Tensor Tensor::to_device(Device device) const {
+  Tensor out = allocate(ndim_, shape_, dtype_, device);
+  if (device.is_cpu() && device_.is_cpu()) {
+    std::memcpy(out.data_, data_, nbytes());
+    return out;
+  }
+#if DATTN_WITH_CUDA
+  // cudaMemcpyDefault: the driver tells host from device pointers (unified addressing), which
+  // covers host->device, device->host and device->device (also between two GPUs).
+  DATTN_CUDA_CHECK(cudaMemcpy(out.data_, data_, nbytes(), cudaMemcpyDefault));
+#endif
+  return out;
 }
 
 Tensor Tensor::full(std::initializer_list<int64_t> shape, DType dtype, float value) {
@@ -93,6 +170,7 @@ std::string Tensor::shape_str() const {
 }
 
 float Tensor::get(int64_t i) const {
+  check_host(*this, "element access");
   switch (dtype_) {
     case DType::f32:
       return static_cast<const float*>(data_)[i];
@@ -105,6 +183,7 @@ float Tensor::get(int64_t i) const {
 }
 
 void Tensor::set(int64_t i, float value) {
+  check_host(*this, "element access");
   switch (dtype_) {
     case DType::f32:
       static_cast<float*>(data_)[i] = value;
@@ -123,6 +202,7 @@ Tensor Tensor::seq_slice(int64_t begin, int64_t len) const {
   DATTN_CHECK_ARG(begin >= 0 && len >= 0 && begin + len <= shape_[1], "sequence slice",
                   detail::cat("[", begin, ", ", begin + len, ")"),
                   detail::cat("a range inside [0, ", shape_[1], ")"));
+  check_host(*this, "seq_slice");
   auto shape = shape_;
   shape[1] = len;
   Tensor out = allocate(ndim_, shape, dtype_, device_);
@@ -139,6 +219,7 @@ Tensor Tensor::seq_slice(int64_t begin, int64_t len) const {
 }
 
 Tensor Tensor::to(DType dtype) const {
+  check_host(*this, "a dtype conversion");
   Tensor out = allocate(ndim_, shape_, dtype, device_);
   if (dtype == dtype_) {
     std::memcpy(out.data_, data_, nbytes());

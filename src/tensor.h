@@ -30,7 +30,8 @@ class Tensor {
   static constexpr int kMaxDims = 4;
 
   Tensor() = default;
-  // Allocates (64-byte aligned, uninitialised) host storage. Only CPU for now.
+  // Allocates uninitialised storage: 64-byte aligned host memory, or with Device::cuda(i)
+  // memory on GPU i (cudaMalloc; a CUDA build only, else dattn::Error naming the device).
   static Tensor empty(std::initializer_list<int64_t> shape, DType dtype,
                       Device device = Device::cpu());
   static Tensor zeros(std::initializer_list<int64_t> shape, DType dtype,
@@ -55,15 +56,18 @@ class Tensor {
   size_t nbytes() const { return size_t(numel()) * dtype_size(dtype_); }
   std::string shape_str() const;  // "[1, 4096, 8, 128] bf16"
 
-  // Element i (flat index) read as fp32, and written from fp32, whatever the dtype (host only).
+  // Element i (flat index) read as fp32, and written from fp32, whatever the dtype. Host tensors
+  // only (a device tensor throws: copy it with to_device first).
   float get(int64_t i) const;
   void set(int64_t i, float value);
 
   // The rows [begin, begin + len) of dimension 1 (the sequence of a bshd tensor) as a new
   // contiguous tensor; a copy unless dimension 0 has size 1.
   Tensor seq_slice(int64_t begin, int64_t len) const;
-  // A copy converted to another dtype.
+  // A copy converted to another dtype (host only).
   Tensor to(DType dtype) const;
+  // A copy on another device (host <-> GPU, GPU <-> GPU, host <-> host), same dtype and shape.
+  Tensor to_device(Device device) const;
 
  private:
   // Allocates host storage for a tensor of the given rank and shape.

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#if __has_include(<mpi.h>)
 #include <mpi.h>
+#endif
 
 #include <cstdint>
 #include <functional>
@@ -90,6 +92,7 @@ testing::AssertionResult throws_naming(F&& f, const std::vector<std::string>& ne
   return testing::AssertionFailure() << "did not throw";
 }
 
+#if __has_include(<mpi.h>)  // not in the core-only build of a bare GPU machine (tests/gpu)
 // This process's rank and the world's size (MPI test binaries).
 inline int world_size() {
   int p = 1;
@@ -101,5 +104,6 @@ inline int world_rank() {
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
   return r;
 }
+#endif
 
 }  // namespace dattn::test

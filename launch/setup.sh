@@ -24,6 +24,10 @@ die() { echo "dattn setup: error: $*" >&2; exit 1; }
 packages=(cmake g++ make libopenmpi-dev openmpi-bin libboost-program-options-dev libgtest-dev
           libgmock-dev libopenblas-dev libopenblas0-pthread clang-format clang libclang-rt-dev
           libomp-dev python3-matplotlib python3-dev pybind11-dev python3-numpy python3-torch)
+# Thrust (kernels/movement, OMP backend): the CUDA toolkit's CCCL when it is there, else Debian's.
+if [[ ! -f /usr/local/cuda/include/cccl/thrust/version.h ]]; then
+  packages+=(libthrust-dev libcub-dev)
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   say "not a Debian system (no dpkg-query): skipping package install; needs ${packages[*]}"

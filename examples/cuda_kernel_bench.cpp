@@ -4,6 +4,7 @@
 // Needs neither MPI nor Boost (a bare GPU machine's core-only build has it); exits 77 without GPU.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <getopt.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,8 +40,8 @@ using dattn::DType;
 constexpr double kTarget = 0.40;  // kernel TFLOP/s / cuBLAS bf16 GEMM TFLOP/s
 
 // ================================================================== options
-// A small parser (short and long forms, "--opt v" or "--opt=v") rather than
-// Boost.Program_options, which a bare GPU machine's core-only build does not have.
+// getopt_long rather than Boost.Program_options, which a bare GPU machine's core-only build does
+// not have.
 
 struct Options {
   int64_t seq = 16384;
@@ -85,49 +86,66 @@ int64_t parse_int(const std::string& opt, const std::string& text, int64_t min) 
   return v;
 }
 
-// Returns false when --help or --version was answered.
+// Returns false when --help or --version was answered. getopt_long (the C library's) gives the
+// short and long forms, "--opt v" and "--opt=v", and unambiguous prefixes.
 bool parse_options(int argc, char** argv, Options& o) {
   const Options defaults;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    const size_t eq = arg.find('=');
-    const bool has_eq = arg.rfind("--", 0) == 0 && eq != std::string::npos;
-    if (has_eq) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    }
-    auto next = [&]() -> std::string {
-      if (has_eq) return value;
-      if (i + 1 >= argc) DATTN_THROW("option ", arg, " needs a value");
-      return argv[++i];
-    };
-    if (arg == "-h" || arg == "--help") {
-      print_help(defaults);
-      return false;
-    } else if (arg == "-V" || arg == "--version") {
-      std::printf("dattn-cuda-kernel-bench %s\n", DATTN_VERSION);
-      return false;
-    } else if (arg == "-s" || arg == "--seq") {
-      o.seq = parse_int("--seq", next(), 1);
-    } else if (arg == "-H" || arg == "--heads") {
-      o.heads = parse_int("--heads", next(), 1);
-    } else if (arg == "-d" || arg == "--head-dim") {
-      o.head_dim = parse_int("--head-dim", next(), 1);
-      if (o.head_dim > 256) DATTN_THROW("invalid --head-dim = ", o.head_dim, ": expected <= 256");
-    } else if (arg == "-n" || arg == "--iters") {
-      o.iters = int(parse_int("--iters", next(), 1));
-    } else if (arg == "-w" || arg == "--warmup") {
-      o.warmup = int(parse_int("--warmup", next(), 0));
-    } else if (arg == "-g" || arg == "--gemm-n") {
-      o.gemm_n = parse_int("--gemm-n", next(), 16);
-    } else if (arg == "-c" || arg == "--check-seq") {
-      o.check_seq = parse_int("--check-seq", next(), 1);
-    } else if (arg == "-J" || arg == "--json") {
-      o.json = next();
-    } else {
-      DATTN_THROW("unknown option '", argv[i], "' (see --help)");
+  static const option longs[] = {{"seq", required_argument, nullptr, 's'},
+                                 {"heads", required_argument, nullptr, 'H'},
+                                 {"head-dim", required_argument, nullptr, 'd'},
+                                 {"iters", required_argument, nullptr, 'n'},
+                                 {"warmup", required_argument, nullptr, 'w'},
+                                 {"gemm-n", required_argument, nullptr, 'g'},
+                                 {"check-seq", required_argument, nullptr, 'c'},
+                                 {"json", required_argument, nullptr, 'J'},
+                                 {"help", no_argument, nullptr, 'h'},
+                                 {"version", no_argument, nullptr, 'V'},
+                                 {nullptr, 0, nullptr, 0}};
+  opterr = 0;  // errors are thrown below, naming the option
+  optind = 1;
+  int c = 0, at = 1;
+  while ((c = getopt_long(argc, argv, ":s:H:d:n:w:g:c:J:hV", longs, nullptr)) != -1) {
+    const std::string arg = at < argc ? argv[at] : "";
+    at = optind;
+    switch (c) {
+      case 'h':
+        print_help(defaults);
+        return false;
+      case 'V':
+        std::printf("dattn-cuda-kernel-bench %s\n", DATTN_VERSION);
+        return false;
+      case 's':
+        o.seq = parse_int("--seq", optarg, 1);
+        break;
+      case 'H':
+        o.heads = parse_int("--heads", optarg, 1);
+        break;
+      case 'd':
+        o.head_dim = parse_int("--head-dim", optarg, 1);
+        if (o.head_dim > 256) DATTN_THROW("invalid --head-dim = ", o.head_dim, ": expected <= 256");
+        break;
+      case 'n':
+        o.iters = int(parse_int("--iters", optarg, 1));
+        break;
+      case 'w':
+        o.warmup = int(parse_int("--warmup", optarg, 0));
+        break;
+      case 'g':
+        o.gemm_n = parse_int("--gemm-n", optarg, 16);
+        break;
+      case 'c':
+        o.check_seq = parse_int("--check-seq", optarg, 1);
+        break;
+      case 'J':
+        o.json = optarg;
+        break;
+      case ':':
+        DATTN_THROW("option ", arg, " needs a value");
+      default:
+        DATTN_THROW("unknown option '", arg, "' (see --help)");
     }
   }
+  if (optind < argc) DATTN_THROW("unexpected argument '", argv[optind], "' (see --help)");
   return true;
 }
 

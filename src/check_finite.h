@@ -13,7 +13,8 @@
 
 namespace dattn {
 
-// Scans rows [row0, row0 + rows) of every batch entry of the bshd tensor t [B, S, H, D] and
+// Scans rows [row0, row0 + rows) of every batch entry of the bshd tensor t [B, S, H, D] (or
+// [B, S, C]) and
 // throws dattn::Error naming `name`, the first non-finite value and where it is: batch, the
 // global position position(row) of its row, the local row, head and dim. Batch by batch, rows
 // in order: the first in memory order.
@@ -28,8 +29,11 @@ inline void check_finite_rows(const Tensor& t, const std::string& name, int64_t 
         rows * H * D);
     if (i < 0) continue;
     const int64_t row = row0 + i / (H * D), h = (i / D) % H, d = i % D;
+    // [B, S, H, D] names head and dim; a [B, S, C] tensor (MLA's latent cache) its column.
+    const std::string where =
+        t.dim() == 3 ? detail::cat("column ", h) : detail::cat("head ", h, ", dim ", d);
     DATTN_THROW("invalid ", name, " = ", t.get(first + i), " at batch ", b, ", position ",
-                position(row), " (local row ", row, "), head ", h, ", dim ", d,
+                position(row), " (local row ", row, "), ", where,
                 ": expected finite values (the non-finite check is on: "
                 "RuntimeOptions.check_finite or DATTN_CHECK_FINITE=1)");
   }

@@ -146,6 +146,13 @@ void KvCache::append(const Tensor& k_new, const Tensor& v_new) {
   appended_ += n;
 }
 
+int64_t KvCache::global_position(int64_t row) const {
+  for (const Run& r : runs(rank_))
+    if (row >= r.local_begin && row < r.local_begin + r.length)
+      return r.position(row - r.local_begin);
+  return -1;
+}
+
 uint64_t KvCache::hash() const {
   uint32_t scale_bits;
   const float scale = spec_.scale();
@@ -311,12 +318,7 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                                 "): append the new tokens' K/V before decoding them"));
     if (rt.check_finite()) {  // q, and this rank's cache rows (the filled ones only)
       check_finite_tensor(q, "q", [&](int64_t row) { return cache.length() - Sq + row; });
-      auto cache_position = [&](int64_t row) {
-        for (const Run& r : cache.runs(cache.rank()))
-          if (row >= r.local_begin && row < r.local_begin + r.length)
-            return r.position(row - r.local_begin);
-        return int64_t(-1);
-      };
+      auto cache_position = [&](int64_t row) { return cache.global_position(row); };
       check_finite_rows(cache.k(), "cache k", 0, cache.local_len(), cache_position);
       check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), cache_position);
     }

@@ -41,6 +41,8 @@ class KvCache {
   int64_t local_len(int rank) const;
   // Where a rank's tokens sit: rows of its buffers and their global positions.
   const std::vector<Run>& runs(int rank) const { return runs_.at(size_t(rank)); }
+  // The global position of this rank's buffer row `row` (-1 for a row past local_len()).
+  int64_t global_position(int64_t row) const;
   const Tensor& k() const { return k_; }  // rows [0, local_len()) are valid
   const Tensor& v() const { return v_; }
   const AttnSpec& spec() const { return spec_; }

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kernels/cpu/vec_math.h"
+#include "src/check_finite.h"
 #include "src/error.h"
 #include "src/validate.h"
 
@@ -412,6 +413,14 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
         detail::cat(s.rope0, "+", s.nrope, " (this rank's RoPE columns under the ",
                     opt.rope == RopePlacement::split ? "split" : "replicated", " placement)"));
     check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), s.nrope});
+    if (rt.check_finite()) {  // the queries at q_pos0.., the cache's tokens at 0..
+      auto query = [&](int64_t row) { return q_pos0 + row; };
+      auto token = [](int64_t row) { return row; };
+      check_finite_tensor(q_nope, "q_nope", query);
+      check_finite_tensor(q_pe, "q_pe", query);
+      check_finite_tensor(shard.c_kv, "cache c_kv", token);
+      check_finite_tensor(shard.k_pe, "cache k_pe", token);
+    }
   });
   const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, dv = cfg.v_head;
   if (parallel == MlaParallel::tpla) {

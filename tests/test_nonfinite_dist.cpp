@@ -2,7 +2,8 @@
 // the results of the rows and keys that do not see them, forward and backward, fp32 and bf16,
 // ring, Ulysses and hybrid, under every layout; decoding never reads a cache's unused capacity
 // nor keys outside the window; and the optional check (RuntimeOptions.check_finite,
-// DATTN_CHECK_FINITE=1) makes every rank throw, naming the tensor, the rank and the position.
+// DATTN_CHECK_FINITE=1) makes every rank throw, naming the tensor, the rank and the position, in
+// attention, its backward, decode, star attention (both phases) and MLA decode.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -16,7 +17,9 @@
 #include "src/decode.h"
 #include "src/error.h"
 #include "src/layout.h"
+#include "src/mla.h"
 #include "src/runtime.h"
+#include "src/star.h"
 #include "tests/test_nonfinite.h"
 #include "tests/test_reference.h"
 
@@ -398,6 +401,82 @@ TEST(DecodeGarbage, CheckNamesCacheAndQ) {
                             {"rank 0 rejected the decode step", "invalid q = inf", "batch 1",
                              "position " + std::to_string(kS + 1) + " ", "head 3"}));
   }
+}
+
+// ---------------------------------------------------------------- star attention and MLA
+
+// The check in star attention's two phases: phase 1's q/k/v shards at their block positions,
+// phase 2's query (on the query rank) and cache rows.
+TEST(CheckFinite, StarPrefillAndDecode) {
+  ScopedEnv env("DATTN_CHECK_FINITE", nullptr);
+  const int P = world_size(), me = world_rank(), last = P - 1;
+  const AttnSpec spec = make_spec(Mask::causal());
+  const Layout layout = Layout::blocks(kS, P, 8);
+  const Inputs in = global_inputs(DType::f32);
+  Runtime& rt = runtime(1, true);
+  Tensor q = layout.dispatch(in.q, me), k = layout.dispatch(in.k, me);
+  const Tensor v = layout.dispatch(in.v, me);
+  EXPECT_NO_THROW(star_prefill(rt, q, k, v, spec, layout));
+  // A NaN in k on the last rank that holds tokens (its local row 1, head 2, dim 3).
+  int holder = P - 1;
+  while (layout.local_len(holder) < 2)
+    --holder;
+  const int64_t at = ((0 * layout.local_len(me) + 1) * kHkv + 2) * kD + 3;
+  if (me == holder) k.set(at, NAN);
+  EXPECT_TRUE(test::throws_naming(
+      [&] { star_prefill(rt, q, k, v, spec, layout); },
+      {"rank " + std::to_string(holder) + " rejected the star prefill", "invalid k = nan",
+       "position " + std::to_string(layout.global_position(holder, 1)) + " ", "head 2", "dim 3"}));
+  if (me == holder) k.set(at, 0.f);
+
+  KvCache cache(P, me, spec, kB, DType::f32, layout.max_local_len() + 1, Placement::last_rank);
+  cache.prefill(layout.dispatch(in.k, me), layout.dispatch(in.v, me), layout);
+  Tensor qd = test::random_tensor({kB, 1, kHq, kD}, DType::f32, 77);
+  cache.append(test::random_tensor({kB, 1, kHkv, kD}, DType::f32, 78),
+               test::random_tensor({kB, 1, kHkv, kDv}, DType::f32, 79));
+  EXPECT_NO_THROW(star_decode(rt, qd, cache));
+  // Only the query rank's q is read, and checked: inf elsewhere passes.
+  if (me != last) qd.set(5, INFINITY);
+  EXPECT_NO_THROW(star_decode(rt, qd, cache));
+  if (me == last) qd.set(((1 * 1 + 0) * kHq + 4) * kD + 2, INFINITY);
+  EXPECT_TRUE(test::throws_naming(
+      [&] { star_decode(rt, qd, cache); },
+      {"rank " + std::to_string(last) + " rejected the star decode", "invalid q = inf", "batch 1",
+       "position " + std::to_string(kS) + " ", "head 4", "dim 2"}));
+}
+
+// The check in MLA decode: the queries and the cache shard (a [B, S, C] tensor: named by column).
+TEST(CheckFinite, MlaDecode) {
+  ScopedEnv env("DATTN_CHECK_FINITE", nullptr);
+  const int P = world_size(), me = world_rank();
+  MlaConfig cfg;
+  cfg.heads = 12;
+  cfg.latent = 64;
+  cfg.rope = 16;
+  cfg.qk_nope = 32;
+  cfg.v_head = 32;
+  const MlaWeights w = MlaWeights::random(cfg, 5);
+  const int64_t B = 1, S = 40, Sq = 2;
+  const Tensor c_kv = test::random_tensor({B, S, cfg.latent}, DType::f32, 6);
+  const Tensor k_pe = test::random_tensor({B, S, cfg.rope}, DType::f32, 7);
+  Tensor q_nope = test::random_tensor({B, Sq, cfg.heads, cfg.qk_nope}, DType::f32, 8);
+  const Tensor q_pe = test::random_tensor({B, Sq, cfg.heads, cfg.rope}, DType::f32, 9);
+  Runtime& rt = runtime(1, true);
+  const MlaCacheShard shard = mla_shard_cache(cfg, MlaParallel::head_split, {}, c_kv, k_pe, me, P);
+  EXPECT_NO_THROW(mla_decode(rt, MlaParallel::head_split, cfg, w, q_nope, q_pe, shard, S - Sq));
+  Tensor bad_cache = shard.c_kv.to(DType::f32);
+  if (me == P - 1) bad_cache.set(7 * cfg.latent + 9, NAN);  // token 7, column 9
+  MlaCacheShard bad = shard;
+  bad.c_kv = bad_cache;
+  EXPECT_TRUE(test::throws_naming(
+      [&] { mla_decode(rt, MlaParallel::head_split, cfg, w, q_nope, q_pe, bad, S - Sq); },
+      {"rank " + std::to_string(P - 1) + " rejected the MLA decode step",
+       "invalid cache c_kv = nan", "position 7 ", "column 9"}));
+  q_nope.set(((0 * Sq + 1) * cfg.heads + 3) * cfg.qk_nope + 4, -INFINITY);
+  EXPECT_TRUE(test::throws_naming(
+      [&] { mla_decode(rt, MlaParallel::head_split, cfg, w, q_nope, q_pe, shard, S - Sq); },
+      {"rank 0 rejected the MLA decode step", "invalid q_nope = -inf",
+       "position " + std::to_string(S - 1) + " ", "head 3", "dim 4"}));
 }
 
 }  // namespace

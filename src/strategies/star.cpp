@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "kernels/merge.h"
+#include "src/check_finite.h"
 #include "src/error.h"
 #include "src/star.h"
 #include "src/strategies/strategies.h"
@@ -49,6 +50,12 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
                     "a band mask (documents are not supported by star attention)");
     DATTN_CHECK_ARG(q.size(1) == layout.local_len(me) && k.size(1) == q.size(1), "q seq", q.size(1),
                     detail::cat(layout.local_len(me), " (this rank's blocks)"));
+    if (rt.check_finite()) {
+      auto position = [&](int64_t row) { return layout.global_position(me, row); };
+      check_finite_tensor(q, "q", position);
+      check_finite_tensor(k, "k", position);
+      check_finite_tensor(v, "v", position);
+    }
   });
   const int64_t B = q.size(0), a = anchor_len(layout, anchor), n = layout.local_len(me);
   const int root = anchor_root(layout);
@@ -108,6 +115,13 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
         detail::cat("[", cache.batch(), ", S_q, ", spec.heads_q, ", ", spec.head_dim, "]"));
     DATTN_CHECK_ARG(Sq >= 1 && Sq <= cache.length(), "S_q", Sq,
                     detail::cat("1 to the context length (", cache.length(), ")"));
+    if (rt.check_finite()) {  // the query (on the query rank) and this rank's cache rows
+      if (me == root)
+        check_finite_tensor(q, "q", [&](int64_t row) { return cache.length() - Sq + row; });
+      auto position = [&](int64_t row) { return cache.global_position(row); };
+      check_finite_rows(cache.k(), "cache k", 0, cache.local_len(), position);
+      check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), position);
+    }
   });
   const int64_t B = q.size(0), H = spec.heads_q, Dv = spec.dim_v();
 

@@ -278,6 +278,12 @@ extern "C" dattn_status dattn_runtime_create(MPI_Comm comm, const dattn_runtime_
       o.tp = options->tp == 0 ? 1 : options->tp;
       o.ulysses = options->ulysses == 0 ? 1 : options->ulysses;
       o.threads = options->threads;
+      DATTN_CHECK_ARG(options->check_finite == 0 || options->check_finite == 1,
+                      "options.check_finite", options->check_finite, "0 or 1");
+      DATTN_CHECK_ARG(options->timeout_s >= 0, "options.timeout_s", options->timeout_s,
+                      "seconds >= 0 (0: the default)");
+      o.check_finite = options->check_finite == 1;
+      o.timeout_s = options->timeout_s;
     }
     *runtime = new dattn_runtime{dattn::Runtime::from_mpi(comm, o)};
   });

@@ -48,6 +48,10 @@ typedef struct dattn_runtime_options {
   int tp;      /* tensor-parallel degree: the ranks form a cp x tp grid, tp fastest (default 1) */
   int ulysses; /* Ulysses degree of DATTN_STRATEGY_HYBRID: a divisor of the cp ranks (default 1) */
   int threads; /* OpenMP threads per rank (default: OMP_NUM_THREADS, else cores / ranks per node) */
+  int check_finite; /* 1: scan the inputs of every call for NaN/inf and fail naming the first one
+                     * (default 0; DATTN_CHECK_FINITE=1 in the environment turns it on too) */
+  double timeout_s; /* the watchdog's deadline in seconds for any wait (default: DATTN_TIMEOUT,
+                     * else 300); on expiry the job is aborted with a message (exit code 14) */
 } dattn_runtime_options;
 
 /* Creates a runtime over comm (duplicated; MPI must be initialised). Collective over comm.

@@ -483,7 +483,7 @@ static void run_error_paths(dattn_runtime* rt) {
   }
   /* Runtime options: a Ulysses degree that does not divide the ranks, on every rank. */
   if (g_size > 1) {
-    dattn_runtime_options o = {0, g_size + 1, 0};
+    dattn_runtime_options o = {0, g_size + 1, 0, 0, 0.0};
     dattn_runtime* bad = (dattn_runtime*)&o; /* must be overwritten with NULL */
     CHECK_FAILS(dattn_runtime_create(MPI_COMM_WORLD, &o, &bad), DATTN_ERROR_INVALID_ARGUMENT,
                 "ulysses");
@@ -534,7 +534,7 @@ int main(int argc, char** argv) {
   /* Hybrid with Ulysses degree 2 on an even number of ranks. */
   if (g_size % 2 == 0) {
     dattn_runtime* hy = NULL;
-    dattn_runtime_options o = {1, 2, 0};
+    dattn_runtime_options o = {1, 2, 0, 0, 0.0};
     CHECK_OK(dattn_runtime_create(MPI_COMM_WORLD, &o, &hy));
     for (int mk = 0; mk < 4; ++mk)
       run_case(hy, DATTN_LAYOUT_VARLEN, (dattn_mask_kind)mk, DATTN_STRATEGY_HYBRID, 4, 2, 16, 16,
@@ -543,6 +543,43 @@ int main(int argc, char** argv) {
   }
 
   run_error_paths(rt);
+
+  /* The non-finite check: a NaN in q on the last rank fails the call on every rank, naming it. */
+  {
+    dattn_runtime* checked = NULL;
+    dattn_runtime_options o = {0, 0, 0, 1, 60.0};
+    CHECK_OK(dattn_runtime_create(MPI_COMM_WORLD, &o, &checked));
+    const int64_t B = 1, S = 12, H = 2, D = 8;
+    dattn_layout layout = {DATTN_LAYOUT_ZIGZAG, S, 0, NULL, 0};
+    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0};
+    int64_t n = 0;
+    CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
+    float* q = xmalloc(sizeof(float) * (size_t)(B * (n + 1) * H * D));
+    float* res = xmalloc(sizeof(float) * (size_t)(B * (n + 1) * H * D));
+    float* res2 = xmalloc(sizeof(float) * (size_t)(B * H * (n + 1)));
+    fill(q, B * n * H * D, 9);
+    dattn_tensor t = {q, DATTN_FP32, {B, n, H, D}};
+    dattn_buffer out = {res, B * n * H * D};
+    dattn_buffer lse = {res2, B * H * n};
+    CHECK_OK(dattn_attention_forward(checked, &t, &t, &t, &spec, &layout, DATTN_STRATEGY_RING, out,
+                                     lse));
+    if (g_rank == g_size - 1) q[3] = NAN; /* zigzag of 12 tokens: every rank of 1-4 holds some */
+    CHECK_FAILS(
+        dattn_attention_forward(checked, &t, &t, &t, &spec, &layout, DATTN_STRATEGY_RING, out, lse),
+        DATTN_ERROR_INVALID_ARGUMENT, "invalid q = nan");
+    /* Bad option values are named. */
+    dattn_runtime* bad = NULL;
+    dattn_runtime_options b1 = {0, 0, 0, 2, 0.0};
+    CHECK_FAILS(dattn_runtime_create(MPI_COMM_WORLD, &b1, &bad), DATTN_ERROR_INVALID_ARGUMENT,
+                "options.check_finite");
+    dattn_runtime_options b2 = {0, 0, 0, 0, -1.0};
+    CHECK_FAILS(dattn_runtime_create(MPI_COMM_WORLD, &b2, &bad), DATTN_ERROR_INVALID_ARGUMENT,
+                "options.timeout_s");
+    CHECK_OK(dattn_runtime_destroy(checked));
+    free(q);
+    free(res);
+    free(res2);
+  }
 
   CHECK_OK(dattn_runtime_destroy(rt));
   CHECK_OK(dattn_runtime_destroy(NULL));

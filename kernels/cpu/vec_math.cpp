@@ -6,8 +6,11 @@
 
 // GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(), which its own
 // -Wuninitialized then flags at every use; the values are never read.
+// GCC only: clang has no -Wmaybe-uninitialized (and calls the pragma unknown under -Werror).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <cmath>

@@ -20,6 +20,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/device_buffer.h"
 #include "src/dtype.h"
 #include "src/error.h"
 #include "src/spec.h"
@@ -28,6 +29,7 @@
 namespace {
 
 using dattn::DType;
+using dattn::cuda::DeviceBuffer;
 
 #define BENCH_CUBLAS_CHECK(call)                                              \
   do {                                                                        \
@@ -168,30 +170,6 @@ std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
     h[i] = dattn::to_bf16(uniform(seed, i)).bits;
   return h;
 }
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    DATTN_CUDA_CHECK(cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)));
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const void* host) {
-    DATTN_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice));
-  }
-  void download(void* host) const {
-    DATTN_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost));
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // CUDA events around each timed iteration after the warm-up: the best and the mean (ms).
 struct Timing {

@@ -17,6 +17,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/mla_decode_cuda.h"
 #include "src/error.h"
 #include "tests/test_reference.h"
@@ -24,36 +25,10 @@
 namespace dattn {
 namespace {
 
+using cuda::DeviceBuffer;  // kernels/cuda/device_buffer.h
+
 using test::matches_reference;
 using test::random_tensor;
-
-// ---------------------------------------------------------------- device memory
-
-// A device allocation of n bytes, freed on destruction.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    DATTN_CUDA_CHECK(cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)));
-  }
-  DeviceBuffer(const void* host, size_t bytes) : DeviceBuffer(bytes) { upload(host); }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const void* host) {
-    if (bytes_ > 0) DATTN_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice));
-  }
-  void download(void* host) const {
-    if (bytes_ > 0) DATTN_CUDA_CHECK(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost));
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // ---------------------------------------------------------------- one kernel problem
 

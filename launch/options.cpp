@@ -67,8 +67,8 @@ void resolve_launch_options(LaunchOptions& o, int default_tp) {
   require_option(o.device_id >= -1, "--device-id", o.device_id, ">= 0");
   require_option(o.device_id == -1 || o.device == "cuda", "--device-id", o.device_id,
                  "given only with --device cuda");
-  require_option(o.device == "cpu" || o.dry_run, "--device", o.device,
-                 "cpu: this build has no CUDA kernels yet (--dry-run plans for cuda)");
+  require_option(o.device == "cpu" || o.dry_run || o.runs_on_cuda, "--device", o.device,
+                 "cpu: this workload has no CUDA path yet (--dry-run plans for cuda)");
   // Every rank takes part in the split, so that it stays collective whatever the options.
   const int local = node_local_rank();
   o.dev = o.device == "cpu" ? Device::cpu() : Device::cuda(o.device_id >= 0 ? o.device_id : local);

@@ -1,5 +1,7 @@
 // The attention entry points: validation agreed by all ranks, then the chosen schedule.
 // Also the helpers every schedule shares: an empty partial, and attending q's runs to a block.
+// These helpers are the one place that picks the CPU or the CUDA kernels, by the tensors' device:
+// strategy code calls them and never branches on the device itself.
 #include "src/attention.h"
 
 #include <cstring>
@@ -14,6 +16,11 @@
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/check.h"
+#include "kernels/movement/movement.h"
+#endif
 
 namespace dattn {
 
@@ -42,11 +49,27 @@ Strategy parse_strategy(const std::string& name) {
   DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses, hybrid, tree or allgather");
 }
 
+void clear_partial(Partial& p) {
+  if (p.out.device().is_cpu()) {
+    clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), p.out.size(0), p.out.size(1),
+                  p.out.size(2), p.out.size(3));
+    return;
+  }
+#if DATTN_WITH_CUDA
+  // The legacy default stream, as the kernels (see attend_runs_cuda).
+  movement::cuda::clear_partial(p.out.ptr<float>(), p.out.numel(), p.lse.ptr<float>(),
+                                p.lse.numel(), nullptr);
+#else
+  DATTN_THROW("invalid partial device = ", p.out.device().str(),
+              ": this build has no CUDA backend");
+#endif
+}
+
 Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
   const int64_t B = q.size(0), S = q.size(1);
-  Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32),
-            Tensor::empty({B, spec.heads_q, S}, DType::f32)};
-  clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), B, S, spec.heads_q, spec.dim_v());
+  Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32, q.device()),
+            Tensor::empty({B, spec.heads_q, S}, DType::f32, q.device())};
+  clear_partial(p);
   return p;
 }
 
@@ -71,8 +94,10 @@ cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, in
   return blk;
 }
 
-// Points blk at the query run qr and the key run kr (rows and global positions).
-void set_runs(cpu::AttentionBlock& blk, const Run& qr, const Run& kr) {
+// Points blk (cpu:: or cuda::AttentionBlock: the same fields) at the query run qr and the key
+// run kr (rows and global positions).
+template <typename Block>
+void set_runs(Block& blk, const Run& qr, const Run& kr) {
   blk.q_begin = qr.local_begin;
   blk.q_len = qr.length;
   blk.q_pos0 = qr.global_begin;
@@ -84,11 +109,62 @@ void set_runs(cpu::AttentionBlock& blk, const Run& qr, const Run& kr) {
   blk.k_pos_stride = kr.stride;
   blk.k_pos_block = kr.block;
 }
+
+#if DATTN_WITH_CUDA
+// attend_runs on a GPU. The kernels run on the legacy default stream (stream 0), on purpose: the
+// NCCL communicator's stream is a blocking stream, so stream 0 orders each kernel after the
+// receive that filled its K/V block and before any later NCCL call that overwrites that block or
+// reads the partial, with no event or host synchronisation in the strategies. The price is that a
+// kernel does not overlap the messages of its own step.
+void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                      int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
+                      Partial& res) {
+  cuda::AttentionBlock blk;
+  blk.q = q.data();
+  blk.k = k;
+  blk.v = v;
+  blk.dtype = q.dtype();
+  blk.batch = q.size(0);
+  blk.seq_q = q.size(1);
+  blk.seq_k = k_rows;
+  blk.heads_q = spec.heads_q;
+  blk.heads_kv = spec.heads_kv;
+  blk.head_dim = spec.head_dim;
+  blk.head_dim_v = spec.dim_v();
+  blk.scale = spec.scale();
+  // The kernel reads document boundaries from device memory: one copy per call.
+  Tensor cu_seqlens;
+  if (spec.mask.documents) {
+    const std::vector<int64_t>& docs = *spec.mask.documents;
+    cu_seqlens = byte_buffer(docs.size() * sizeof(int64_t), q.device());
+    DATTN_CUDA_CHECK(cudaMemcpy(cu_seqlens.data(), docs.data(), docs.size() * sizeof(int64_t),
+                                cudaMemcpyHostToDevice));
+  }
+  cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
+      set_runs(blk, qr, kr);
+      cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+    }
+  }
+  // The kernels read cu_seqlens until they finish; its storage is freed on return (cudaFree
+  // waits as well, but the dependency is spelled out here).
+  if (cu_seqlens.defined()) DATTN_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+}
+#endif
 }  // namespace
 
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                  int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                  Partial& res) {
+  if (!q.device().is_cpu()) {
+#if DATTN_WITH_CUDA
+    attend_runs_cuda(q, q_runs, k, v, k_rows, k_runs, spec, res);
+    return;
+#else
+    DATTN_THROW("invalid q device = ", q.device().str(), ": this build has no CUDA backend");
+#endif
+  }
   cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
     for (const Run& kr : k_runs) {
@@ -112,13 +188,18 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
 }
 
 // Shape and dtype checks of q, k, v against the spec (local: each rank checks its own).
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec) {
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
+               const Device* device) {
   spec.validate();
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
     DATTN_CHECK_ARG(t->dim() == 4, detail::cat(name, " rank"), t->dim(),
                     "4 dimensions [batch, seq, heads, head_dim]");
-    DATTN_CHECK_ARG(t->device().is_cpu(), detail::cat(name, " device"), t->device().str(),
-                    "cpu (the CUDA backend is not built yet)");
+    if (device == nullptr)
+      DATTN_CHECK_ARG(t->device().is_cpu(), detail::cat(name, " device"), t->device().str(),
+                      "cpu (this entry point has no CUDA path yet)");
+    else
+      DATTN_CHECK_ARG(t->device() == *device, detail::cat(name, " device"), t->device().str(),
+                      detail::cat(device->str(), " (the Runtime's device)"));
     DATTN_CHECK_ARG(t->dtype() == q.dtype(), detail::cat(name, " dtype"), dtype_name(t->dtype()),
                     detail::cat(dtype_name(q.dtype()), " (the dtype of q)"));
     DATTN_CHECK_ARG(t->size(0) == q.size(0), detail::cat(name, " batch"), t->size(0),
@@ -164,10 +245,30 @@ int ulysses_degree_of(Runtime& rt, Strategy strategy) {
                                          : rt.ulysses_degree();
 }
 
-// The checks of one distributed call on this rank (forward and backward alike).
+// The checks of one distributed call on this rank (forward and backward alike). device: the
+// Runtime's device, where the call runs on it (the forward); null: host tensors only.
 void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const AttnSpec& spec, const Layout& layout, Strategy strategy, int U) {
-  check_qkv(q, k, v, spec);
+                          const AttnSpec& spec, const Layout& layout, Strategy strategy, int U,
+                          const Device* device) {
+  check_qkv(q, k, v, spec, device);
+  if (!q.device().is_cpu()) {
+    // What the GPU path supports so far: caught here, agreed by every rank, before any data
+    // moves (the kernel's own checks would fire mid-schedule, on one rank).
+    DATTN_CHECK_ARG(strategy == Strategy::ring, "strategy", strategy_name(strategy),
+                    detail::cat("ring: strategy ", strategy_name(strategy),
+                                " on cuda tensors is not supported yet"));
+    DATTN_CHECK_ARG(q.dtype() == DType::bf16 || q.dtype() == DType::f16, "dtype",
+                    dtype_name(q.dtype()),
+                    "bf16 or fp16 on cuda tensors (the CUDA kernel's types)");
+    DATTN_CHECK_ARG(spec.head_dim <= 256, "head_dim", spec.head_dim,
+                    "at most 256 on cuda tensors (the CUDA kernel's limit)");
+    DATTN_CHECK_ARG(spec.dim_v() <= 256, "head_dim_v", spec.dim_v(),
+                    "at most 256 on cuda tensors (the CUDA kernel's limit)");
+    DATTN_CHECK_ARG(q.size(0) <= 65535, "batch", q.size(0),
+                    "at most 65535 on cuda tensors (the CUDA kernel's grid)");
+    DATTN_CHECK_ARG(spec.heads_q <= 65535, "heads_q", spec.heads_q,
+                    "at most 65535 on cuda tensors (the CUDA kernel's grid)");
+  }
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
       "strategy", strategy_name(strategy),
@@ -191,11 +292,15 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
 }
 
 // The non-finite check of this rank's shards (after the shape checks), positions from the layout.
+// A device tensor is copied to the host to be scanned: the check is a debugging mode, off by
+// default, and the host scan names the position exactly as on the CPU.
 void check_shards_finite(Communicator& comm, const Layout& layout,
                          std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
   const int rank = comm.rank();
-  for (auto [t, name] : tensors)
-    check_finite_tensor(*t, name, [&](int64_t row) { return layout.global_position(rank, row); });
+  for (auto [t, name] : tensors) {
+    const Tensor host = t->device().is_cpu() ? *t : t->to_device(Device::cpu());
+    check_finite_tensor(host, name, [&](int64_t row) { return layout.global_position(rank, row); });
+  }
 }
 
 // The same for attention_local's whole tensors, at positions pos0 + row.
@@ -210,8 +315,9 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
   Communicator& comm = rt.cp();
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   const int U = ulysses_degree_of(rt, strategy);
+  const Device device = rt.device();
   agree_on_validation(comm, "attention call", hash_mix(hash, uint64_t(U)), [&] {
-    check_attention_call(comm, q, k, v, spec, layout, strategy, U);
+    check_attention_call(comm, q, k, v, spec, layout, strategy, U, &device);
     if (rt.check_finite()) check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}});
   });
   if (U == 1) return ring_attention_forward(comm, q, k, v, spec, layout);
@@ -245,7 +351,7 @@ void check_backward_inputs(const Tensor& q, const Partial& fwd, const Tensor& do
     DATTN_CHECK_ARG(t.defined() && t.dim() == int(want.size()), detail::cat(name, " rank"), t.dim(),
                     detail::cat(want.size(), " dimensions ", layout));
     DATTN_CHECK_ARG(t.device().is_cpu(), detail::cat(name, " device"), t.device().str(),
-                    "cpu (the CUDA backend is not built yet)");
+                    "cpu (the backward has no CUDA path yet)");
     int d = 0;
     for (int64_t n : want) {
       DATTN_CHECK_ARG(t.size(d) == n, detail::cat(name, " shape"), t.shape_str(),
@@ -295,7 +401,7 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   const int U = ulysses_degree_of(rt, strategy);
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
-    check_attention_call(comm, q, k, v, spec, layout, strategy, U);
+    check_attention_call(comm, q, k, v, spec, layout, strategy, U, nullptr);
     check_backward_inputs(q, fwd, dout, spec);
     if (rt.check_finite())
       check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}});

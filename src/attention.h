@@ -33,6 +33,12 @@ struct Partial {
 // spec, layout, strategy, batch and dtype. Bad input throws dattn::Error on every rank (the
 // ranks agree on validation before any data moves), naming the parameter and the rank.
 //
+// Devices: q, k and v must be on rt.device(), and the result is there too. On a GPU runtime
+// (RuntimeOptions.device cuda) only Strategy::ring with bf16/fp16 runs so far (anything else
+// throws on every rank before any data moves); the result is complete in the order of the legacy
+// default stream (stream 0: a cudaMemcpy or to_device of it, or any kernel there, sees it; other
+// streams synchronise first). The non-finite check copies device tensors to the host to scan them.
+//
 // Non-finite inputs (README "Numerics"): NaN or inf where the mask hides it changes no result: a
 // row's out, lse (and dq) depend only on its own q (and dout) and the keys it sees, a key's dk
 // and dv only on the queries that see it; a row that sees no key has out = 0, lse = -inf, dq = 0

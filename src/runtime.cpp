@@ -10,8 +10,52 @@
 #include "collective/mpi_communicator.h"
 #include "src/error.h"
 #include "src/validate.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/check.h"
+#endif
+#if DATTN_WITH_NCCL
+#include "collective/nccl_communicator.h"
+#endif
 
 namespace dattn {
+
+namespace {
+// Makes options.device this process's current CUDA device (a GPU runtime: kernels launch and
+// NCCL communicators are created on the current device). Throws dattn::Error naming `device`
+// where the build has no CUDA backend with NCCL, or CUDA does not see that device.
+void select_device(const Device& device) {
+  if (device.is_cpu()) return;
+#if DATTN_WITH_CUDA && DATTN_WITH_NCCL
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess)
+    DATTN_THROW("invalid device = ", device.str(),
+                ": CUDA sees no device (cudaGetDeviceCount: ", cudaGetErrorName(err), ", ",
+                cudaGetErrorString(err), ")");
+  DATTN_CHECK_ARG(device.index >= 0 && device.index < count, "device", device.str(),
+                  detail::cat("an index below the ", count, " CUDA devices of this machine"));
+  DATTN_CUDA_CHECK(cudaSetDevice(device.index));
+#else
+  DATTN_CHECK_ARG(false, "device", device.str(),
+                  "cpu: this build has no GPU backend (it needs the CUDA toolkit and NCCL: "
+                  "DATTN_WITH_CUDA and DATTN_WITH_NCCL)");
+#endif
+}
+
+// The cp group's communicator over the MPI communicator `cp`: MPI (host buffers) on the CPU,
+// NCCL (device buffers, bootstrapped over MPI) on a GPU. Collective over cp.
+std::unique_ptr<Communicator> cp_communicator(Communicator& cp, const Device& device,
+                                              double timeout_s) {
+  if (device.is_cpu()) return nullptr;  // the caller keeps the MPI one
+#if DATTN_WITH_NCCL
+  return NcclCommunicator::from_mpi(static_cast<MpiCommunicator&>(cp).comm(), timeout_s);
+#else
+  (void)cp;
+  (void)timeout_s;
+  DATTN_THROW("invalid device = ", device.str(), ": this build has no NCCL");
+#endif
+}
+}  // namespace
 
 Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   int initialized = 0;
@@ -26,14 +70,14 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   set_error_rank(rt.world_->rank());
   const int P = rt.world_->size();
 
+  // The device's kind must match on every rank, its index need not (one GPU per rank: the
+  // node-local rank).
   uint64_t h = kHashSeed;
-  for (int64_t x :
-       {int64_t(options.device.kind), int64_t(options.device.index), int64_t(options.cp),
-        int64_t(options.tp), int64_t(options.ulysses), int64_t(options.node_size)})
+  for (int64_t x : {int64_t(options.device.kind), int64_t(options.cp), int64_t(options.tp),
+                    int64_t(options.ulysses), int64_t(options.node_size)})
     h = hash_mix(h, uint64_t(x));
   agree_on_validation(*rt.world_, "runtime options", h, [&] {
-    DATTN_CHECK_ARG(options.device.is_cpu(), "device", options.device.str(),
-                    "cpu (the CUDA backend is not built yet)");
+    select_device(options.device);
     DATTN_CHECK_ARG(options.tp >= 1, "tp", options.tp, ">= 1");
     DATTN_CHECK_ARG(options.cp >= 0, "cp", options.cp, ">= 0 (0: all ranks / tp)");
     const int cp = options.cp == 0 ? P / options.tp : options.cp;
@@ -51,6 +95,10 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
   rt.tp_ = options.tp;
   // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
   rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);
+  // On a GPU the cp group and every group split from it below are NCCL communicators (device
+  // buffers); world() stays MPI: it carries host control data only (validation, barriers).
+  if (auto nccl = cp_communicator(*rt.cp_, rt.device_, timeout_ok ? options.timeout_s : 0.0))
+    rt.cp_ = std::move(nccl);
   rt.cp_->set_name("cp");
   rt.node_ranks_ = rt.world_->split_node()->size();
   // Nodes: the cp ranks that share a node (or a declared fake node), and the node leaders.

@@ -13,6 +13,11 @@
 namespace dattn {
 
 struct RuntimeOptions {
+  // cpu, or cuda(i): this rank's GPU (one per rank, usually its node-local rank; the index may
+  // differ between ranks, the kind may not). With cuda, from_mpi makes GPU i current
+  // (cudaSetDevice) and builds cp() and the groups split from it as NCCL communicators (device
+  // buffers); world() stays MPI (host control data). Needs a build with CUDA and NCCL and a GPU
+  // that CUDA sees: else dattn::Error naming `device`, on every rank.
   Device device = Device::cpu();
   int cp = 0;         // context-parallel degree; 0 means all ranks / tp
   int tp = 1;         // tensor-parallel degree (ranks form a cp x tp grid, tp fastest)

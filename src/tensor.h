@@ -82,4 +82,11 @@ class Tensor {
   std::array<int64_t, kMaxDims> shape_{};
 };
 
+// Untyped memory of at least `bytes` bytes on `device` (a 1-D fp32 tensor of ceil(bytes / 4)
+// elements whose data() the caller uses as raw bytes). Strategies allocate their receive buffers
+// with it on the device of their tensors, so that the same schedule code runs on host and GPU.
+inline Tensor byte_buffer(size_t bytes, Device device) {
+  return Tensor::empty({int64_t((bytes + 3) / 4)}, DType::f32, device);
+}
+
 }  // namespace dattn

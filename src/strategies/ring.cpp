@@ -4,10 +4,10 @@
 // a second buffer (double buffering). A block stops travelling once no rank ahead of it has a
 // query that sees it, and a rank skips a block its queries cannot see: under a causal mask
 // future blocks are neither computed nor, where no later rank needs them, sent.
+// The same code runs on host and GPU tensors: buffers are allocated on q's device and attend_runs
+// picks the kernel by it.
 #include <vector>
 
-#include "kernels/cpu/attention_cpu.h"
-#include "kernels/merge.h"
 #include "src/error.h"
 #include "src/models.h"
 #include "src/strategies/strategies.h"
@@ -31,12 +31,12 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
 
   Partial res = empty_partial(q, spec);
 
-  // Two receive buffers for K and for V, each big enough for the largest shard.
+  // Two receive buffers for K and for V, each big enough for the largest shard, on q's device.
   const int64_t max_len = P > 1 ? layout.max_local_len() : 0;
-  std::vector<char> kbuf[2], vbuf[2];
+  Tensor kbuf[2], vbuf[2];
   for (int i = 0; i < 2 && P > 1; ++i) {
-    kbuf[i].resize(size_t(B * max_len) * k_row);
-    vbuf[i].resize(size_t(B * max_len) * v_row);
+    kbuf[i] = byte_buffer(size_t(B * max_len) * k_row, q.device());
+    vbuf[i] = byte_buffer(size_t(B * max_len) * v_row, q.device());
   }
 
   const void* cur_k = k.data();  // the block this rank holds at this step

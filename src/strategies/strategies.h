@@ -41,18 +41,26 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
                    float* dv);
 
 // Attends q's rows q_runs (rows of q and their global positions) to the rows k_runs of a K/V
-// block of k_rows rows per batch entry (bshd, q's dtype), merging into res.
+// block of k_rows rows per batch entry (bshd, q's dtype), merging into res. k, v and res live on
+// q's device: the CPU kernel for host tensors, the CUDA kernel (legacy default stream,
+// asynchronous) for GPU ones.
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                  int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                  Partial& res);
 
 // Shape, dtype and spec checks of this rank's q, k, v (throws dattn::Error naming the field).
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec);
+// device: the device they must all be on (the Runtime's); null: the host (an entry point
+// without a CUDA path).
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
+               const Device* device = nullptr);
 // The hash of what must match on every rank of an attention call.
 uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
                                DType dtype, int64_t batch);
 
-// An empty partial for q: out = 0 [B, S, H_q, D_v], lse = -inf [B, H_q, S].
+// An empty partial for q, on q's device: out = 0 [B, S, H_q, D_v], lse = -inf [B, H_q, S].
 Partial empty_partial(const Tensor& q, const AttnSpec& spec);
+// Clears p (out = 0, lse = -inf) on its device (on a GPU: on the legacy default stream, as the
+// kernels run).
+void clear_partial(Partial& p);
 
 }  // namespace dattn

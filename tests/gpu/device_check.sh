@@ -68,7 +68,7 @@ read -r -a more <<<"${DATTN_DEVICE_CMAKE_ARGS:-}"
 args+=("${more[@]}")
 if [[ -d $repo/.carry/googletest ]]; then args+=("-DDATTN_GTEST_SOURCE=$repo/.carry/googletest"); fi
 # Only the GPU targets: the CPU suite runs in CI, not here.
-targets=(test_cuda_attention test_cuda_movement test_device_tensor test_nccl
+targets=(test_cuda_attention test_cuda_movement test_device_tensor test_nccl test_gpu_ring
          dattn-cuda-kernel-bench)
 build_ok=1
 if step configure 90 cmake "${args[@]}"; then

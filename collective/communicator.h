@@ -61,6 +61,10 @@ class Communicator {
   virtual int size() const = 0;
   // The backend's name for headers and errors: "mpi", "nccl".
   virtual std::string backend() const = 0;
+  // The communicator for host-memory control data over the same ranks in the same order
+  // (validation flags, error messages, configuration hashes: agree_on_validation): this one for a
+  // host-buffer backend (MPI); NCCL's MPI twin, since NCCL moves device memory only.
+  virtual Communicator& control() { return *this; }
   // What this group is, for messages ("cp", "node", ...): the watchdog's line names it. Set by
   // whoever creates the group (Runtime); a backend picks a default.
   const std::string& name() const { return name_; }

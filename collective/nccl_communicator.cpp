@@ -597,6 +597,10 @@ void NcclCommunicator::gather(const void* send, void* recv, size_t bytes_per_ran
   counters_.add("gather", rank_ == root ? 0 : bytes_per_rank);
 }
 
+Communicator& NcclCommunicator::control() {
+  return *control_;
+}
+
 void NcclCommunicator::broadcast(void* buf, size_t bytes, int root) {
   check_rank(root, "broadcast root");
   flush();

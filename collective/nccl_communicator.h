@@ -59,6 +59,8 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
+  // Host control data goes over the MPI communicator this one was bootstrapped from.
+  Communicator& control() override;
 
   // Tags are accepted and ignored but for ordering within a batch (see above).
   RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) override;

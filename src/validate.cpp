@@ -11,8 +11,11 @@
 
 namespace dattn {
 
-void agree_on_validation(Communicator& comm, const std::string& what, uint64_t config_hash,
+void agree_on_validation(Communicator& group, const std::string& what, uint64_t config_hash,
                          const std::function<void()>& check) {
+  // Flags, messages and hashes live in host memory: the group's control communicator carries
+  // them (the group itself on MPI; its MPI twin on NCCL).
+  Communicator& comm = group.control();
   constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
   std::string message;
   uint64_t local[3] = {kNone, config_hash, ~config_hash};

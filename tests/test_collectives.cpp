@@ -40,6 +40,7 @@ TEST_F(Collectives, RankSizeBackend) {
   int cmp = 0;
   MPI_Comm_compare(comm->comm(), MPI_COMM_WORLD, &cmp);
   EXPECT_EQ(cmp, MPI_CONGRUENT);
+  EXPECT_EQ(&comm->control(), comm.get());  // host buffers: its own control communicator
   EXPECT_EQ(comm->counters().total_bytes(), 0u);
 }
 

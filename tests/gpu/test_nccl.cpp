@@ -159,7 +159,9 @@ TEST_F(NcclCollectives, RankSizeBackend) {
   EXPECT_EQ(me, r);
   int cmp = 0;
   MPI_Comm_compare(comm->control_comm(), MPI_COMM_WORLD, &cmp);
-  EXPECT_EQ(cmp, MPI_CONGRUENT);  // a private duplicate for the control path
+  EXPECT_EQ(cmp, MPI_CONGRUENT);                // a private duplicate for the control path
+  EXPECT_EQ(comm->control().backend(), "mpi");  // host control data (agree_on_validation)
+  EXPECT_EQ(comm->control().rank(), r);
   EXPECT_EQ(comm->counters().total_bytes(), 0u);
 }
 

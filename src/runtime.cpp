@@ -26,14 +26,7 @@ namespace {
 void select_device(const Device& device) {
   if (device.is_cpu()) return;
 #if DATTN_WITH_CUDA && DATTN_WITH_NCCL
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess)
-    DATTN_THROW("invalid device = ", device.str(),
-                ": CUDA sees no device (cudaGetDeviceCount: ", cudaGetErrorName(err), ", ",
-                cudaGetErrorString(err), ")");
-  DATTN_CHECK_ARG(device.index >= 0 && device.index < count, "device", device.str(),
-                  detail::cat("an index below the ", count, " CUDA devices of this machine"));
+  check_device(device);
   DATTN_CUDA_CHECK(cudaSetDevice(device.index));
 #else
   DATTN_CHECK_ARG(false, "device", device.str(),

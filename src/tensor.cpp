@@ -34,18 +34,6 @@ std::array<int64_t, Tensor::kMaxDims> parse_shape(std::initializer_list<int64_t>
 }
 
 #if DATTN_WITH_CUDA
-// Throws dattn::Error naming the device unless CUDA sees a device `index`.
-void check_cuda_device(Device device) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess)
-    DATTN_THROW("invalid device = ", device.str(),
-                ": CUDA sees no device (cudaGetDeviceCount: ", cudaGetErrorName(err), ", ",
-                cudaGetErrorString(err), ")");
-  DATTN_CHECK_ARG(device.index >= 0 && device.index < count, "device", device.str(),
-                  detail::cat("an index below the ", count, " CUDA devices of this machine"));
-}
-
 // Makes `index` the current CUDA device for one scope and restores the previous one, so that an
 // allocation on another device does not change the caller's current device.
 class DeviceScope {
@@ -70,6 +58,24 @@ void check_host(const Tensor& t, const char* what) {
 }
 }  // namespace
 
+void check_device(Device device) {
+  if (device.is_cpu()) return;
+#if DATTN_WITH_CUDA
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess)
+    DATTN_THROW("invalid device = ", device.str(),
+                ": CUDA sees no device (cudaGetDeviceCount: ", cudaGetErrorName(err), ", ",
+                cudaGetErrorString(err), ")");
+  DATTN_CHECK_ARG(device.index >= 0 && device.index < count, "device", device.str(),
+                  detail::cat("an index below the ", count, " CUDA devices of this machine"));
+#else
+  DATTN_THROW("invalid device = ", device.str(),
+              ": this build has no CUDA backend (configure with the CUDA toolkit, "
+              "DATTN_WITH_CUDA=ON)");
+#endif
+}
+
 Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DType dtype,
                         Device device) {
   Tensor t;
@@ -78,8 +84,8 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
   t.dtype_ = dtype;
   t.device_ = device;
   if (!device.is_cpu()) {
+    check_device(device);
 #if DATTN_WITH_CUDA
-    check_cuda_device(device);
     DeviceScope scope(device.index);
     void* p = nullptr;
     // cudaMalloc returns memory aligned to at least 256 bytes; never 0 bytes (a null pointer
@@ -88,10 +94,6 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
     t.storage_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
     t.data_ = p;
     return t;
-#else
-    DATTN_THROW("invalid device = ", device.str(),
-                ": this build has no CUDA backend (configure with the CUDA toolkit, "
-                "DATTN_WITH_CUDA=ON)");
 #endif
   }
   size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);

@@ -25,6 +25,10 @@ struct Device {
   std::string str() const;
 };
 
+// Throws dattn::Error naming the device unless this build and machine can use it: the CPU
+// always; cuda(i) in a CUDA build whose machine has a GPU i (the message gives CUDA's reason).
+void check_device(Device device);
+
 class Tensor {
  public:
   static constexpr int kMaxDims = 4;

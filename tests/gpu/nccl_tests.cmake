@@ -3,21 +3,7 @@
 # nccl_nogpu_np2 hides every GPU and checks that creation fails cleanly on every rank, so it runs
 # (and must pass) on every machine.
 if(DATTN_WITH_NCCL)
-  add_executable(test_nccl ${CMAKE_CURRENT_SOURCE_DIR}/test_nccl.cpp)
-  target_link_libraries(test_nccl PRIVATE dattn_mpi_main dattn_test_support CUDA::cudart)
-  target_compile_options(test_nccl PRIVATE ${DATTN_WARNINGS})
-
-  foreach(np 1 2)
-    add_test(NAME nccl_np${np}
-             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${MPIEXEC_PREFLAGS}
-                     $<TARGET_FILE:test_nccl> ${MPIEXEC_POSTFLAGS})
-    set_tests_properties(nccl_np${np} PROPERTIES
-      TIMEOUT 180
-      PROCESSORS ${np}
-      SKIP_RETURN_CODE 77
-      LABELS gpu
-      ENVIRONMENT "${DATTN_TEST_MPI_ENV}")
-  endforeach()
+  dattn_add_gpu_mpi_test(nccl test_nccl ${CMAKE_CURRENT_SOURCE_DIR}/test_nccl.cpp)
 
   # CUDA_VISIBLE_DEVICES=-1: no device is visible, on a GPU machine too. A short watchdog
   # deadline (30 s in the test) keeps a regression that hangs well inside the ctest timeout.

@@ -18,6 +18,7 @@
 #include "src/attention.h"
 #include "src/error.h"
 #include "src/models.h"
+#include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -26,65 +27,9 @@ namespace {
 using test::world_rank;
 using test::world_size;
 
-// ---------------------------------------------------------------- one GPU per rank, or skip
-// As tests/gpu/test_nccl.cpp decides: every rank checks that CUDA sees a device for each rank on
-// its node, and the ranks agree before anyone decides, so that all skip (exit 77, rank 0 prints
-// the reason) or all run. DATTN_GPU_TESTS_REQUIRED=1 turns "no usable GPU at all" into a failure,
-// but not "fewer devices than ranks" (a one-GPU machine running gpu_ring_np2 is not broken).
-int g_device = 0;  // this rank's GPU: its node-local rank
-
-class OneGpuPerRank : public testing::Environment {
- public:
-  void SetUp() override {
-    MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    int local_rank = 0, local_size = 1;
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_size(node, &local_size);
-    MPI_Comm_free(&node);
-    const int rank = world_rank(), size = world_size();
-    g_device = local_rank;
-
-    int count = 0;
-    const cudaError_t err = cudaGetDeviceCount(&count);
-    char reason[256] = {};
-    if (err != cudaSuccess)
-      std::snprintf(reason, sizeof reason, "no usable GPU: cudaGetDeviceCount returned %d (%s: %s)",
-                    int(err), cudaGetErrorName(err), cudaGetErrorString(err));
-    else if (count < local_size)
-      std::snprintf(reason, sizeof reason,
-                    "CUDA sees %d device(s), but %d ranks run on this node (one device per rank)",
-                    count, local_size);
-    else if (cudaSetDevice(local_rank) != cudaSuccess)
-      std::snprintf(reason, sizeof reason, "cudaSetDevice(%d) failed", local_rank);
-    std::vector<char> reasons(rank == 0 ? sizeof reason * size_t(size) : 1);
-    MPI_Gather(reason, sizeof reason, MPI_CHAR, reasons.data(), sizeof reason, MPI_CHAR, 0,
-               MPI_COMM_WORLD);
-    // [0]: this rank can run; [1]: this rank has no usable GPU at all.
-    int mine[2] = {reason[0] == '\0' ? 1 : 0, (err != cudaSuccess || count == 0) ? 1 : 0};
-    int all[2] = {0, 0};
-    MPI_Allreduce(&mine[0], &all[0], 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    MPI_Allreduce(&mine[1], &all[1], 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (all[0]) return;
-
-    const char* required = std::getenv("DATTN_GPU_TESTS_REQUIRED");
-    const bool must = all[1] && required != nullptr && std::strcmp(required, "1") == 0;
-    if (rank == 0) {
-      for (int r = 0; r < size; ++r) {
-        const char* why = reasons.data() + sizeof reason * size_t(r);
-        if (*why == '\0') continue;
-        std::printf("%s: rank %d: %s\n", must ? "FAILED" : "SKIPPED", r, why);
-        break;
-      }
-      std::fflush(stdout);
-    }
-    // Together, past every collective: no rank is left waiting.
-    MPI_Finalize();
-    std::exit(must ? 1 : 77);
-  }
-};
-
-testing::Environment* const one_gpu_per_rank = testing::AddGlobalTestEnvironment(new OneGpuPerRank);
+// One GPU per rank, or every rank skips together (tests/gpu/one_gpu_per_rank.h).
+testing::Environment* const one_gpu_per_rank =
+    testing::AddGlobalTestEnvironment(new test::OneGpuPerRank);
 
 // ---------------------------------------------------------------- cases
 
@@ -164,7 +109,7 @@ class GpuRing : public testing::TestWithParam<GpuRingCase> {
   static Runtime& gpu() {
     if (!gpu_) {
       RuntimeOptions o;
-      o.device = Device::cuda(g_device);
+      o.device = Device::cuda(test::OneGpuPerRank::device());
       gpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
     }
     return *gpu_;
@@ -188,7 +133,7 @@ TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
   Runtime& g = gpu();
   Runtime& h = cpu();
   const int P = g.cp_size(), me = g.cp_rank();
-  ASSERT_EQ(g.device(), Device::cuda(g_device));
+  ASSERT_EQ(g.device(), Device::cuda(test::OneGpuPerRank::device()));
   ASSERT_EQ(g.cp().backend(), "nccl");
   const Layout layout = make_layout(c.layout, P);
   const AttnSpec spec = make_spec(c.mask);

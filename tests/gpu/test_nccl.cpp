@@ -18,6 +18,7 @@
 #include "collective/nccl_communicator.h"
 #include "kernels/cuda/check.h"
 #include "src/error.h"
+#include "tests/gpu/one_gpu_per_rank.h"
 
 namespace dattn {
 namespace {
@@ -29,67 +30,10 @@ bool no_gpu_mode() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-// ---------------------------------------------------------------- one GPU per rank, or skip
-// Every rank checks that CUDA sees a device for each rank on its node; the ranks agree over MPI
-// before anyone decides, so that all skip (exit 77) or all run: a rank that skipped alone would
-// leave the others waiting in their first collective. DATTN_GPU_TESTS_REQUIRED=1 (the device
-// check script) turns "no usable GPU" (no driver, no device) into a failure, but not "fewer
-// devices than ranks": NCCL cannot put two ranks on one device, and a one-GPU machine running
-// nccl_np2 is not broken (nccl_np1 runs there and must pass).
-class OneGpuPerRank : public testing::Environment {
- public:
-  void SetUp() override {
-    if (no_gpu_mode()) return;
-    MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    int local_rank = 0, local_size = 1, rank = 0, size = 1;
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_size(node, &local_size);
-    MPI_Comm_free(&node);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-
-    int count = 0;
-    const cudaError_t err = cudaGetDeviceCount(&count);
-    char reason[256] = {};
-    if (err != cudaSuccess)
-      std::snprintf(reason, sizeof reason, "no usable GPU: cudaGetDeviceCount returned %d (%s: %s)",
-                    int(err), cudaGetErrorName(err), cudaGetErrorString(err));
-    else if (count < local_size)
-      std::snprintf(reason, sizeof reason,
-                    "CUDA sees %d device(s), but %d ranks run on this node (one device per rank)",
-                    count, local_size);
-    else if (cudaSetDevice(local_rank) != cudaSuccess)
-      std::snprintf(reason, sizeof reason, "cudaSetDevice(%d) failed", local_rank);
-    // Rank 0 names the first rank's reason (all ranks agree on whether there is one).
-    std::vector<char> reasons(rank == 0 ? sizeof reason * size_t(size) : 1);
-    MPI_Gather(reason, sizeof reason, MPI_CHAR, reasons.data(), sizeof reason, MPI_CHAR, 0,
-               MPI_COMM_WORLD);
-    // [0]: this rank can run; [1]: this rank has no usable GPU at all.
-    int mine[2] = {reason[0] == '\0' ? 1 : 0, (err != cudaSuccess || count == 0) ? 1 : 0};
-    int all[2] = {0, 0};
-    MPI_Allreduce(&mine[0], &all[0], 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    MPI_Allreduce(&mine[1], &all[1], 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (all[0]) return;
-
-    const char* required = std::getenv("DATTN_GPU_TESTS_REQUIRED");
-    const bool must = all[1] && required != nullptr && std::strcmp(required, "1") == 0;
-    if (rank == 0) {
-      for (int r = 0; r < size; ++r) {
-        const char* why = reasons.data() + sizeof reason * size_t(r);
-        if (*why == '\0') continue;
-        std::printf("%s: rank %d: %s\n", must ? "FAILED" : "SKIPPED", r, why);
-        break;
-      }
-      std::fflush(stdout);
-    }
-    // Together, past every collective: no rank is left waiting.
-    MPI_Finalize();
-    std::exit(must ? 1 : 77);
-  }
-};
-
-testing::Environment* const one_gpu_per_rank = testing::AddGlobalTestEnvironment(new OneGpuPerRank);
+// One GPU per rank, or every rank skips together (tests/gpu/one_gpu_per_rank.h); not checked in
+// the no-GPU mode.
+testing::Environment* const one_gpu_per_rank =
+    testing::AddGlobalTestEnvironment(new test::OneGpuPerRank(no_gpu_mode));
 
 // ---------------------------------------------------------------- device buffers
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
@@ -28,9 +29,6 @@
 #include "src/attention.h"
 #include "src/error.h"
 #include "src/models.h"
-#if DATTN_WITH_CUDA
-#include "kernels/cuda/check.h"
-#endif
 
 namespace {
 
@@ -41,7 +39,9 @@ using dattn::Tensor;
 using dattn::bench::input_value;
 using dattn::bench::make_shard;
 using dattn::bench::mix64;
+using dattn::bench::on_device;
 using dattn::bench::row_key;
+using dattn::bench::synchronize;
 
 // ================================================================== options
 
@@ -637,21 +637,6 @@ struct Row {
 double allreduce_max(double v) {
   DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
   return v;
-}
-
-// The benchmark's tensors on the runtime's device: generated on the host, copied to a GPU once
-// (host tensors are returned as they are).
-Tensor on_device(Tensor t, dattn::Device device) {
-  return device.is_cpu() ? t : t.to_device(device);
-}
-
-// Waits for the device's queued work: attention returns once a GPU's kernels are queued (on the
-// legacy default stream), so a timed call ends here. Nothing to wait for on the CPU.
-void synchronize(dattn::Device device) {
-  if (device.is_cpu()) return;
-#if DATTN_WITH_CUDA
-  DATTN_CUDA_CHECK(cudaDeviceSynchronize());
-#endif
 }
 
 uint64_t allreduce_u64(dattn::Runtime& rt, uint64_t v, dattn::ReduceOp op) {

@@ -1,7 +1,8 @@
 // The attention entry points: validation agreed by all ranks, then the chosen schedule.
 // Also the helpers every schedule shares: an empty partial, and attending q's runs to a block.
-// These helpers are the one place that picks the CPU or the CUDA kernels, by the tensors' device:
-// strategy code calls them and never branches on the device itself.
+// These helpers are the one place that picks the CPU or the CUDA kernels, by the tensors' device
+// (src/device_ops.h does the same for copies and elementwise steps): strategy code calls them and
+// never branches on the device itself.
 #include "src/attention.h"
 
 #include <cstring>
@@ -13,6 +14,7 @@
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/merge.h"
 #include "src/check_finite.h"
+#include "src/device_ops.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
@@ -257,17 +259,7 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
     DATTN_CHECK_ARG(strategy == Strategy::ring, "strategy", strategy_name(strategy),
                     detail::cat("ring: strategy ", strategy_name(strategy),
                                 " on cuda tensors is not supported yet"));
-    DATTN_CHECK_ARG(q.dtype() == DType::bf16 || q.dtype() == DType::f16, "dtype",
-                    dtype_name(q.dtype()),
-                    "bf16 or fp16 on cuda tensors (the CUDA kernel's types)");
-    DATTN_CHECK_ARG(spec.head_dim <= 256, "head_dim", spec.head_dim,
-                    "at most 256 on cuda tensors (the CUDA kernel's limit)");
-    DATTN_CHECK_ARG(spec.dim_v() <= 256, "head_dim_v", spec.dim_v(),
-                    "at most 256 on cuda tensors (the CUDA kernel's limit)");
-    DATTN_CHECK_ARG(q.size(0) <= 65535, "batch", q.size(0),
-                    "at most 65535 on cuda tensors (the CUDA kernel's grid)");
-    DATTN_CHECK_ARG(spec.heads_q <= 65535, "heads_q", spec.heads_q,
-                    "at most 65535 on cuda tensors (the CUDA kernel's grid)");
+    check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
   }
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,

@@ -10,8 +10,8 @@
 #include <cstring>
 
 #include "kernels/merge.h"
-#include "kernels/movement/movement.h"
 #include "src/check_finite.h"
+#include "src/device_ops.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
@@ -25,7 +25,7 @@ const char* placement_name(Placement p) {
 // ================================================================== the cache
 
 KvCache::KvCache(int ranks, int rank, const AttnSpec& spec, int64_t batch, DType dtype,
-                 int64_t capacity, Placement placement)
+                 int64_t capacity, Placement placement, Device device)
     : ranks_(ranks),
       rank_(rank),
       spec_(spec),
@@ -40,8 +40,8 @@ KvCache::KvCache(int ranks, int rank, const AttnSpec& spec, int64_t batch, DType
   DATTN_CHECK_ARG(capacity >= 0, "capacity", capacity, ">= 0 tokens");
   runs_.resize(size_t(ranks));
   prompt_runs_.assign(size_t(ranks), 0);
-  k_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.head_dim}, dtype);
-  v_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.dim_v()}, dtype);
+  k_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.head_dim}, dtype, device);
+  v_ = Tensor::zeros({batch, capacity, spec.heads_kv, spec.dim_v()}, dtype, device);
 }
 
 int64_t KvCache::local_len(int rank) const {
@@ -52,17 +52,6 @@ int64_t KvCache::local_len(int rank) const {
 }
 
 namespace {
-// Copies `rows` rows of every batch entry from src (src_seq rows per entry, starting at
-// src_row0) into dst (dst_seq rows per entry, at dst_row0); row = bytes per row.
-void copy_rows(const void* src, int64_t src_seq, int64_t src_row0, void* dst, int64_t dst_seq,
-               int64_t dst_row0, int64_t batch, int64_t rows, size_t row) {
-  if (rows == 0) return;  // an empty shard's tensors may have no data (memcpy takes no null)
-  for (int64_t b = 0; b < batch; ++b)
-    std::memcpy(static_cast<char*>(dst) + size_t(b * dst_seq + dst_row0) * row,
-                static_cast<const char*>(src) + size_t(b * src_seq + src_row0) * row,
-                size_t(rows) * row);
-}
-
 size_t row_bytes(const Tensor& t) {
   return size_t(t.size(2) * t.size(3)) * dtype_size(t.dtype());
 }
@@ -90,8 +79,11 @@ void KvCache::prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout
   check_kv(k_shard, v_shard, *this, n, "prefill");
   DATTN_CHECK_ARG(n <= capacity_, "capacity", capacity_,
                   detail::cat(">= ", n, " tokens (this rank's share of the prompt)"));
-  copy_rows(k_shard.data(), n, 0, k_.data(), capacity_, 0, batch_, n, row_bytes(k_));
-  copy_rows(v_shard.data(), n, 0, v_.data(), capacity_, 0, batch_, n, row_bytes(v_));
+  // The shards may be on the host or a device, whatever the cache's device (src/device_ops.h).
+  copy_rows(k_.data(), k_.device(), capacity_, 0, k_shard.data(), k_shard.device(), n, 0, batch_, n,
+            row_bytes(k_));
+  copy_rows(v_.data(), v_.device(), capacity_, 0, v_shard.data(), v_shard.device(), n, 0, batch_, n,
+            row_bytes(v_));
   for (int r = 0; r < ranks_; ++r) {
     runs_[size_t(r)].clear();
     for (const Run& run : layout.runs(r))
@@ -122,10 +114,10 @@ void KvCache::append(const Tensor& k_new, const Tensor& v_new) {
     if (owner(appended_ + i) == rank_) mine.push_back(i);
   const int64_t row0 = local_len();
   for (size_t j = 0; j < mine.size(); ++j) {
-    copy_rows(k_new.data(), n, mine[j], k_.data(), capacity_, row0 + int64_t(j), batch_, 1,
-              row_bytes(k_));
-    copy_rows(v_new.data(), n, mine[j], v_.data(), capacity_, row0 + int64_t(j), batch_, 1,
-              row_bytes(v_));
+    copy_rows(k_.data(), k_.device(), capacity_, row0 + int64_t(j), k_new.data(), k_new.device(), n,
+              mine[j], batch_, 1, row_bytes(k_));
+    copy_rows(v_.data(), v_.device(), capacity_, row0 + int64_t(j), v_new.data(), v_new.device(), n,
+              mine[j], batch_, 1, row_bytes(v_));
   }
   // Every rank's runs: one run of appended tokens per rank, after its prompt rows.
   for (int r = 0; r < ranks_; ++r) {
@@ -170,7 +162,10 @@ uint64_t KvCache::hash() const {
 
 namespace {
 
-// Allreduce of fp32 values over the cp ranks: flat, or in two levels across nodes.
+// Allreduce of fp32 values over the cp ranks: flat, or in two levels across nodes. buf is on the
+// runtime's device: on a GPU runtime cp() and the node groups split from it are NCCL
+// communicators over device buffers, so the same calls serve both (tests/gpu/test_gpu_decode.cpp
+// runs the two levels with declared nodes).
 void allreduce_f32(Runtime& rt, float* buf, size_t count, ReduceOp op) {
   if (rt.cp_size() == 1) return;  // one rank: its partial is the result
   if (!rt.spans_nodes()) {
@@ -183,7 +178,9 @@ void allreduce_f32(Runtime& rt, float* buf, size_t count, ReduceOp op) {
   node.broadcast(buf, count * sizeof(float), 0);
 }
 
-// Tree: the local partial, then max of lse and sum of [w * out | w] over the ranks.
+// Tree: the local partial, then max of lse and sum of [w * out | w] over the ranks. The buffers
+// live on q's device (the cache's and the communicator's), and the copy and weighting steps go
+// through src/device_ops.h, so this schedule runs unchanged on host and GPU tensors.
 Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs,
                     const KvCache& cache) {
   const AttnSpec& spec = cache.spec();
@@ -193,15 +190,21 @@ Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs
               cache.runs(cache.rank()), spec, res);
   float* out = res.out.ptr<float>();
   float* lse = res.lse.ptr<float>();
+  const Device dev = q.device();
 
-  std::vector<float> m(lse, lse + B * H * Sq);
-  allreduce_f32(rt, m.data(), m.size(), ReduceOp::max);
-  // [B, S_q, H, Dv + 1]: the weighted output and its weight. An empty shard (lse = -inf)
-  // gives w = 0 and contributes nothing; m = -inf only when every shard is empty.
-  std::vector<float> packed(size_t(B * Sq * H * (Dv + 1)));
-  movement::host::weigh_partial(packed.data(), out, lse, m.data(), B, Sq, H, Dv);
-  allreduce_f32(rt, packed.data(), packed.size(), ReduceOp::sum);
-  movement::host::unweigh_partial(out, lse, packed.data(), m.data(), B, Sq, H, Dv);
+  const size_t rows = size_t(B * H * Sq), packed_n = size_t(B * Sq * H * (Dv + 1));
+  Tensor m = byte_buffer(rows * sizeof(float), dev);
+  copy_bytes(m.data(), lse, rows * sizeof(float), dev);
+  allreduce_f32(rt, m.ptr<float>(), rows, ReduceOp::max);
+  // [B, S_q, H, Dv + 1]: the weighted output and its weight (every element written). An empty
+  // shard (lse = -inf) gives w = 0 and contributes nothing; m = -inf only when every shard is
+  // empty.
+  Tensor packed = byte_buffer(packed_n * sizeof(float), dev);
+  weigh_partial(dev, packed.ptr<float>(), out, lse, m.ptr<float>(), B, Sq, H, Dv);
+  allreduce_f32(rt, packed.ptr<float>(), packed_n, ReduceOp::sum);
+  unweigh_partial(dev, out, lse, packed.ptr<float>(), m.ptr<float>(), B, Sq, H, Dv);
+  // m and packed are freed on return while a GPU's unweigh may still be queued: cudaFree waits
+  // for the device's queued work first (the ring's receive buffers rely on the same).
   return res;
 }
 
@@ -210,9 +213,10 @@ std::vector<char> pack_shard(const KvCache& c) {
   const int64_t n = c.local_len();
   const size_t kr = row_bytes(c.k()), vr = row_bytes(c.v());
   std::vector<char> buf(size_t(c.batch() * n) * (kr + vr));
-  copy_rows(c.k().data(), c.capacity(), 0, buf.data(), n, 0, c.batch(), n, kr);
-  copy_rows(c.v().data(), c.capacity(), 0, buf.data() + size_t(c.batch() * n) * kr, n, 0, c.batch(),
-            n, vr);
+  copy_rows(buf.data(), Device::cpu(), n, 0, c.k().data(), c.device(), c.capacity(), 0, c.batch(),
+            n, kr);
+  copy_rows(buf.data() + size_t(c.batch() * n) * kr, Device::cpu(), n, 0, c.v().data(), c.device(),
+            c.capacity(), 0, c.batch(), n, vr);
   return buf;
 }
 
@@ -305,7 +309,19 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                     detail::cat(cache.rank(), " of ", cache.ranks()),
                     detail::cat(comm.rank(), " of ", comm.size(), " (this cp rank)"));
     DATTN_CHECK_ARG(q.dim() == 4, "q rank", q.dim(), "4 dimensions [batch, S_q, heads, head_dim]");
-    DATTN_CHECK_ARG(q.device().is_cpu(), "q device", q.device().str(), "cpu");
+    DATTN_CHECK_ARG(q.device() == rt.device(), "q device", q.device().str(),
+                    detail::cat(rt.device().str(), " (the Runtime's device)"));
+    DATTN_CHECK_ARG(cache.device() == rt.device(), "cache device", cache.device().str(),
+                    detail::cat(rt.device().str(), " (the Runtime's device)"));
+    if (!rt.device().is_cpu()) {
+      // What decodes on a GPU so far: tree only (ring and allgather pack shards through host
+      // buffers), with the CUDA kernel's limits. Caught here, agreed by every rank, before any
+      // data moves.
+      DATTN_CHECK_ARG(strategy == Strategy::tree, "strategy", strategy_name(strategy),
+                      detail::cat("tree: strategy ", strategy_name(strategy),
+                                  " on cuda tensors is not supported yet"));
+      check_cuda_kernel_limits(q.dtype(), cache.spec(), q.size(0));
+    }
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(q.size(0) == cache.batch(), "q batch", q.size(0), cache.batch());
@@ -317,10 +333,15 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                     detail::cat("1 to the context length (", cache.length(),
                                 "): append the new tokens' K/V before decoding them"));
     if (rt.check_finite()) {  // q, and this rank's cache rows (the filled ones only)
-      check_finite_tensor(q, "q", [&](int64_t row) { return cache.length() - Sq + row; });
+      // Device tensors are copied to the host to be scanned, as dattn::attention does: the check
+      // is a debugging mode, off by default, and the host scan names positions as on the CPU.
+      auto on_host = [](const Tensor& t) {
+        return t.device().is_cpu() ? t : t.to_device(Device::cpu());
+      };
+      check_finite_tensor(on_host(q), "q", [&](int64_t row) { return cache.length() - Sq + row; });
       auto cache_position = [&](int64_t row) { return cache.global_position(row); };
-      check_finite_rows(cache.k(), "cache k", 0, cache.local_len(), cache_position);
-      check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), cache_position);
+      check_finite_rows(on_host(cache.k()), "cache k", 0, cache.local_len(), cache_position);
+      check_finite_rows(on_host(cache.v()), "cache v", 0, cache.local_len(), cache_position);
     }
   });
   // The new queries are the last S_q tokens of the context.

@@ -21,19 +21,22 @@ const char* placement_name(Placement p);
 class KvCache {
  public:
   // Room for `capacity` tokens on this rank: K [B, capacity, H_kv, D], V [B, capacity, H_kv, D_v]
-  // of `dtype`. Not collective; every rank must construct it alike (checked by decode()).
+  // of `dtype`, in `device` memory (the Runtime's device: a GPU runtime decodes a cache on its
+  // GPU). Not collective; every rank must construct it alike (checked by decode()).
   KvCache(int ranks, int rank, const AttnSpec& spec, int64_t batch, DType dtype, int64_t capacity,
-          Placement placement = Placement::round_robin);
+          Placement placement = Placement::round_robin, Device device = Device::cpu());
 
   // Stores this rank's shard of the prompt's K/V ([B, layout.local_len(rank), H_kv, D]); the
   // context is then layout.global_seq() tokens at the layout's positions. Once, before appends.
+  // prefill and append take host or device tensors whatever the cache's device (a GPU cache
+  // copies the rows with cudaMemcpy2D on the legacy default stream: a decode step queued later
+  // sees them, and the caller's tensors may be reused or freed on return).
   void prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout& layout);
   // Appends n tokens at global positions length() .. length() + n - 1. k_new [B, n, H_kv, D] and
   // v_new are the same on every rank (only the ranks that keep a token read it: with last_rank,
   // the others may pass any tensor of that shape); each rank keeps the tokens the placement gives
-  // it. Throws
-  // dattn::Error naming the capacity when any rank's share does not fit, on every rank and
-  // before any rank stores a token (every rank knows every rank's share).
+  // it. Throws dattn::Error naming the capacity when any rank's share does not fit, on every rank
+  // and before any rank stores a token (every rank knows every rank's share).
   void append(const Tensor& k_new, const Tensor& v_new);
 
   int64_t length() const { return length_; }  // tokens in the whole context
@@ -50,6 +53,7 @@ class KvCache {
   DType dtype() const { return dtype_; }
   int64_t capacity() const { return capacity_; }
   Placement placement() const { return placement_; }
+  Device device() const { return k_.device(); }
   int ranks() const { return ranks_; }
   int rank() const { return rank_; }
   uint64_t hash() const;  // spec, batch, dtype, placement, length: must match across ranks
@@ -70,10 +74,14 @@ class KvCache {
 // length() - S_q .. length() - 1 (append the new tokens' K/V first, so they see themselves).
 // Collective over rt.cp(). Every rank returns the same whole result: out [B, S_q, H_q, D_v] and
 // lse [B, H_q, S_q], fp32. strategy: tree (two-level when rt.spans_nodes()), ring or allgather.
+// q and the cache are on rt.device(), and so is the result. On a GPU runtime only tree runs so far
+// (bf16/fp16, the CUDA kernel's limits; anything else throws on every rank before data moves); its
+// result is complete in the order of the legacy default stream, as dattn::attention's.
 // A cache's unused capacity is never read. With the non-finite check on (RuntimeOptions.
 // check_finite or DATTN_CHECK_FINITE=1), q and this rank's filled cache rows are scanned during
 // the agreed validation; a NaN or inf throws on every rank naming "q", "cache k" or "cache v",
-// the rank, the batch, global position, head, dim and value.
+// the rank, the batch, global position, head, dim and value (device tensors are copied to the
+// host to be scanned).
 Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache,
                Strategy strategy = Strategy::tree);
 

@@ -1,0 +1,27 @@
+// The benchmarks' device handling, shared by the prefill and decode benchmarks (--device cuda):
+// inputs generated on the host and copied to the runtime's device once, and the wait that ends a
+// timed call on a GPU.
+#pragma once
+
+#include "src/tensor.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/check.h"
+#endif
+
+namespace dattn::bench {
+
+// t on `device`: a host tensor is returned as it is for the CPU, else copied there once.
+inline Tensor on_device(Tensor t, Device device) {
+  return device.is_cpu() ? t : t.to_device(device);
+}
+
+// Waits for the device's queued work: the API returns once a GPU's kernels and collectives are
+// queued (on the legacy default stream), so a timed call ends here. Nothing to wait for on the CPU.
+inline void synchronize(Device device) {
+  if (device.is_cpu()) return;
+#if DATTN_WITH_CUDA
+  DATTN_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}
+
+}  // namespace dattn::bench

@@ -1,0 +1,111 @@
+// Tests of the device-dispatching helpers (src/device_ops.h) on the host: the path every CPU run
+// takes (the KV cache's row copies, the tree decode's copy and weighting), against the plain
+// loops and movement::host calls they stand for, bit for bit. The GPU path runs in
+// tests/gpu/test_gpu_decode.cpp.
+#include "src/device_ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/movement/movement.h"
+#include "tests/test_reference.h"
+
+namespace dattn {
+namespace {
+
+std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& x : v)
+    x = static_cast<unsigned char>(gen());
+  return v;
+}
+
+// copy_rows between host buffers: every batch entry's rows land at dst_row0.. and nothing else
+// changes, for row sizes that are not multiples of a word.
+TEST(DeviceOpsHost, CopyRowsMovesExactlyTheRows) {
+  const Device cpu = Device::cpu();
+  for (size_t row : {size_t(1), size_t(6), size_t(96), size_t(258)}) {
+    const int64_t batch = 3, src_seq = 7, dst_seq = 11, rows = 4, src_row0 = 2, dst_row0 = 5;
+    const auto src = random_bytes(size_t(batch * src_seq) * row, 1);
+    auto dst = random_bytes(size_t(batch * dst_seq) * row, 2);
+    auto want = dst;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(want.data() + size_t(b * dst_seq + dst_row0 + i) * row,
+                    src.data() + size_t(b * src_seq + src_row0 + i) * row, row);
+    copy_rows(dst.data(), cpu, dst_seq, dst_row0, src.data(), cpu, src_seq, src_row0, batch, rows,
+              row);
+    EXPECT_EQ(dst, want) << "row " << row;
+  }
+  // No rows (or no batch): no pointer is touched, null is fine.
+  EXPECT_NO_THROW(copy_rows(nullptr, cpu, 0, 0, nullptr, cpu, 0, 0, 2, 0, 16));
+  EXPECT_NO_THROW(copy_rows(nullptr, cpu, 4, 0, nullptr, cpu, 4, 0, 0, 4, 16));
+}
+
+TEST(DeviceOpsHost, CopyBytes) {
+  const auto src = random_bytes(1001, 3);
+  std::vector<unsigned char> dst(src.size(), 0);
+  copy_bytes(dst.data(), src.data(), src.size(), Device::cpu());
+  EXPECT_EQ(dst, src);
+  EXPECT_NO_THROW(copy_bytes(nullptr, nullptr, 0, Device::cpu()));
+}
+
+// weigh_partial / unweigh_partial on the host are movement::host's, bit for bit, with an empty
+// row (lse = -inf) among them; the round trip of one rank's partial gives it back.
+TEST(DeviceOpsHost, WeighAndUnweighAreMovementHost) {
+  const int64_t B = 2, S = 3, H = 4, Dv = 5;
+  const size_t rows = size_t(B * H * S), n_out = size_t(B * S * H * Dv);
+  std::mt19937 gen(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> out(n_out), lse(rows);
+  for (auto& x : out)
+    x = nd(gen);
+  for (auto& x : lse)
+    x = nd(gen);
+  lse[2] = -std::numeric_limits<float>::infinity();
+  for (int64_t d = 0; d < Dv; ++d)  // the empty row's out is 0: (b 0, h 0, s 2)
+    out[size_t((2 * H + 0) * Dv + d)] = 0;
+  std::vector<float> m = lse;
+  m[2] = 0.5f;  // another rank saw keys for this row
+  const size_t packed_n = size_t(B * S * H * (Dv + 1));
+  std::vector<float> got(packed_n), want(packed_n);
+  weigh_partial(Device::cpu(), got.data(), out.data(), lse.data(), m.data(), B, S, H, Dv);
+  movement::host::weigh_partial(want.data(), out.data(), lse.data(), m.data(), B, S, H, Dv);
+  ASSERT_EQ(std::memcmp(got.data(), want.data(), packed_n * 4), 0);
+
+  std::vector<float> out_a(n_out), lse_a(rows), out_b(n_out), lse_b(rows);
+  unweigh_partial(Device::cpu(), out_a.data(), lse_a.data(), got.data(), m.data(), B, S, H, Dv);
+  movement::host::unweigh_partial(out_b.data(), lse_b.data(), want.data(), m.data(), B, S, H, Dv);
+  EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), n_out * 4), 0);
+  EXPECT_EQ(std::memcmp(lse_a.data(), lse_b.data(), rows * 4), 0);
+  // One rank's partial, weighed against its own max, comes back (up to exp/log rounding).
+  for (size_t i = 0; i < rows; ++i) {
+    if (i == 2) continue;
+    EXPECT_NEAR(lse_a[i], lse[i], 1e-5) << i;
+  }
+}
+
+TEST(DeviceOpsHost, CudaKernelLimitsNameTheValue) {
+  AttnSpec spec;
+  spec.heads_q = 8;
+  spec.heads_kv = 2;
+  spec.head_dim = 128;
+  EXPECT_NO_THROW(check_cuda_kernel_limits(DType::bf16, spec, 4));
+  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f32, spec, 4); },
+                                  {"dtype", "fp32", "bf16 or fp16"}));
+  spec.head_dim = 512;
+  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f16, spec, 4); },
+                                  {"head_dim", "512", "at most 256"}));
+  spec.head_dim = 128;
+  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f16, spec, 70000); },
+                                  {"batch", "70000"}));
+}
+
+}  // namespace
+}  // namespace dattn

@@ -69,7 +69,7 @@ args+=("${more[@]}")
 if [[ -d $repo/.carry/googletest ]]; then args+=("-DDATTN_GTEST_SOURCE=$repo/.carry/googletest"); fi
 # Only the GPU targets: the CPU suite runs in CI, not here.
 targets=(test_cuda_attention test_cuda_movement test_device_tensor test_nccl test_gpu_ring
-         dattn-cuda-kernel-bench dattn-prefill-bench)
+         test_gpu_decode dattn-cuda-kernel-bench dattn-prefill-bench dattn-decode-bench)
 build_ok=1
 if step configure 90 cmake "${args[@]}"; then
   have=()
@@ -108,6 +108,10 @@ prefill=$build/bin/dattn-prefill-bench
 if ((build_ok)) && [[ -x $prefill ]]; then
   step "prefill bench" 90 "$prefill" --device cuda -t bf16 -H 16 -G 16 -d 128 -s 4096 -e 16384 \
     -f 2 -n 5 -k 1 --json "$out/prefill.json" || failed+=(prefill)
+fi
+decode=$build/bin/dattn-decode-bench
+if ((build_ok)) && [[ -x $decode ]]; then
+  step "decode bench" 60 "$decode" --device cuda -a tree -t bf16 -k 1 || failed+=(decode)
 fi
 if [[ -n $python ]]; then
   step "torch sdpa" 60 "$python" "$repo/tests/gpu/sdpa_bench.py" -s "$seq" -H 16 -d 128 \

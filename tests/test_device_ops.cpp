@@ -18,13 +18,7 @@
 namespace dattn {
 namespace {
 
-std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& x : v)
-    x = static_cast<unsigned char>(gen());
-  return v;
-}
+using test::random_bytes;
 
 // copy_rows between host buffers: every batch entry's rows land at dst_row0.. and nothing else
 // changes, for row sizes that are not multiples of a word.

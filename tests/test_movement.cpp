@@ -12,21 +12,16 @@
 
 #include "kernels/merge.h"
 #include "kernels/movement/movement.h"
+#include "tests/test_reference.h"
 
 namespace dattn {
 namespace {
 
+using test::random_bytes;
+
 namespace mv = movement::host;
 
 // ---------------------------------------------------------------- helpers
-
-std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& x : v)
-    x = static_cast<unsigned char>(gen());
-  return v;
-}
 
 std::vector<int64_t> permutation(int64_t n, uint32_t seed) {
   std::vector<int64_t> idx(static_cast<size_t>(n));

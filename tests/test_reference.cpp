@@ -8,9 +8,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <random>
 #include <sstream>
 
 namespace dattn::test {
+
+std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& x : v)
+    x = static_cast<unsigned char>(gen());
+  return v;
+}
 
 // ---------------------------------------------------------------- random data
 

@@ -27,6 +27,8 @@ namespace dattn::test {
 // Fills t with normal(0, stddev) values (rounded to t's dtype), a pure function of seed: every
 // rank that calls it with the same seed gets the same tensor.
 void fill_normal(Tensor& t, uint64_t seed, float stddev = 1.f);
+// n pseudo-random bytes, a pure function of seed (the data movement tests copy raw rows).
+std::vector<unsigned char> random_bytes(size_t n, uint32_t seed);
 Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t seed,
                      float stddev = 1.f);
 

@@ -15,9 +15,12 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/movement/movement.h"
+#include "tests/test_reference.h"
 
 namespace dattn {
 namespace {
+
+using test::random_bytes;
 
 // ---------------------------------------------------------------- helpers
 
@@ -44,14 +47,6 @@ class DeviceVector {
   void* p_ = nullptr;
   size_t n_;
 };
-
-std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& x : v)
-    x = static_cast<unsigned char>(gen());
-  return v;
-}
 
 // Equal within `ulps` float steps, with -inf, +inf and NaN only where the other side has them.
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, const char* what) {

@@ -19,10 +19,14 @@
 #include "src/decode.h"
 #include "src/error.h"
 #include "tests/gpu/one_gpu_per_rank.h"
+#include "tests/gpu/partials.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
 namespace {
+
+using test::as_reference;  // tests/gpu/partials.h
+using test::to_host;
 
 using test::world_rank;
 
@@ -90,18 +94,6 @@ KvCache prefilled_cache(const AttnSpec& spec, const Context& ctx, const Layout& 
 // Appends the next n tokens of ctx (host tensors: copied up by a GPU cache).
 void append_next(KvCache& cache, const Context& ctx, int64_t n) {
   cache.append(ctx.k.seq_slice(cache.length(), n), ctx.v.seq_slice(cache.length(), n));
-}
-
-// A partial's values as a "reference" (float64), to compare the GPU result with the CPU one.
-cpu::ReferenceResult as_reference(const Partial& p) {
-  cpu::ReferenceResult r;
-  r.out.assign(p.out.ptr<float>(), p.out.ptr<float>() + p.out.numel());
-  r.lse.assign(p.lse.ptr<float>(), p.lse.ptr<float>() + p.lse.numel());
-  return r;
-}
-
-Partial to_host(const Partial& p) {
-  return {p.out.to_device(Device::cpu()), p.lse.to_device(Device::cpu())};
 }
 
 // Whether the GPU cache holds the CPU cache's bytes in its filled rows (the cudaMemcpy2D of

@@ -19,10 +19,14 @@
 #include "src/error.h"
 #include "src/models.h"
 #include "tests/gpu/one_gpu_per_rank.h"
+#include "tests/gpu/partials.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
 namespace {
+
+using test::as_reference;  // tests/gpu/partials.h
+using test::to_host;
 
 using test::world_rank;
 using test::world_size;
@@ -86,18 +90,6 @@ std::string case_name(const GpuRingCase& c) {
 }
 std::ostream& operator<<(std::ostream& os, const GpuRingCase& c) {
   return os << case_name(c);
-}
-
-// A partial's values as a "reference" (float64), to compare the GPU result with the CPU one.
-cpu::ReferenceResult as_reference(const Partial& p) {
-  cpu::ReferenceResult r;
-  r.out.assign(p.out.ptr<float>(), p.out.ptr<float>() + p.out.numel());
-  r.lse.assign(p.lse.ptr<float>(), p.lse.ptr<float>() + p.lse.numel());
-  return r;
-}
-
-Partial to_host(const Partial& p) {
-  return {p.out.to_device(Device::cpu()), p.lse.to_device(Device::cpu())};
 }
 
 // ---------------------------------------------------------------- the suite

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cpu/attention_backward_cpu.h"
@@ -76,10 +77,13 @@ Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
 }
 
 namespace {
-// The kernel arguments shared by every block of one call: tensors, shapes, scale and mask.
-cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
-                               const AttnSpec& spec) {
-  cpu::AttentionBlock blk;
+// The kernel arguments shared by every block of one call (cpu:: or cuda::AttentionBlock: the
+// same fields): tensors, shapes, scale, and the CPU block's mask (the GPU's is set by the caller:
+// its documents live in device memory).
+template <typename Block>
+Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
+                 const AttnSpec& spec) {
+  Block blk;
   blk.q = q.data();
   blk.k = k;
   blk.v = v;
@@ -92,7 +96,7 @@ cpu::AttentionBlock make_block(const Tensor& q, const void* k, const void* v, in
   blk.head_dim = spec.head_dim;
   blk.head_dim_v = spec.dim_v();
   blk.scale = spec.scale();
-  blk.mask = spec.mask;
+  if constexpr (std::is_same_v<Block, cpu::AttentionBlock>) blk.mask = spec.mask;
   return blk;
 }
 
@@ -121,19 +125,7 @@ void set_runs(Block& blk, const Run& qr, const Run& kr) {
 void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                       int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                       Partial& res) {
-  cuda::AttentionBlock blk;
-  blk.q = q.data();
-  blk.k = k;
-  blk.v = v;
-  blk.dtype = q.dtype();
-  blk.batch = q.size(0);
-  blk.seq_q = q.size(1);
-  blk.seq_k = k_rows;
-  blk.heads_q = spec.heads_q;
-  blk.heads_kv = spec.heads_kv;
-  blk.head_dim = spec.head_dim;
-  blk.head_dim_v = spec.dim_v();
-  blk.scale = spec.scale();
+  auto blk = make_block<cuda::AttentionBlock>(q, k, v, k_rows, spec);
   // The kernel reads document boundaries from device memory: one copy per call.
   Tensor cu_seqlens;
   if (spec.mask.documents) {
@@ -167,7 +159,7 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
     DATTN_THROW("invalid q device = ", q.device().str(), ": this build has no CUDA backend");
 #endif
   }
-  cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
+  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
@@ -180,7 +172,7 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
                    int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
                    const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
                    float* dv) {
-  cpu::AttentionBlock blk = make_block(q, k, v, k_rows, spec);
+  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
@@ -325,7 +317,7 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
   if (check_finite_env())
     check_local_finite({{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}});
   Partial res = empty_partial(q, spec);
-  cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), k.size(1), spec);
+  auto blk = make_block<cpu::AttentionBlock>(q, k.data(), v.data(), k.size(1), spec);
   blk.q_pos0 = q_pos0;
   blk.k_pos0 = k_pos0;
   cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
@@ -378,7 +370,7 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
   Tensor delta = Tensor::empty({B, spec.heads_q, Sq}, DType::f32);
   cpu::attention_backward_delta(dout.data(), dout.dtype(), fwd.out.ptr<float>(), B, Sq,
                                 spec.heads_q, spec.dim_v(), delta.ptr<float>());
-  cpu::AttentionBlock blk = make_block(q, k.data(), v.data(), Sk, spec);
+  auto blk = make_block<cpu::AttentionBlock>(q, k.data(), v.data(), Sk, spec);
   blk.q_pos0 = q_pos0;
   blk.k_pos0 = k_pos0;
   cpu::attention_backward(blk, dout.data(), dout.dtype(), fwd.lse.ptr<float>(), delta.ptr<float>(),

@@ -77,8 +77,8 @@ Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
 }
 
 namespace {
-// The kernel arguments shared by every block of one call (cpu:: or cuda::AttentionBlock: the
-// same fields): tensors, shapes, scale, and the CPU block's mask (the GPU's is set by the caller:
+// The kernel arguments shared by every block of one call (cpu:: or cuda::AttentionBlock, both a
+// BlockOfWork): tensors, shapes, scale, and the CPU block's mask (the GPU's is set by the caller:
 // its documents live in device memory).
 template <typename Block>
 Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
@@ -100,10 +100,8 @@ Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
   return blk;
 }
 
-// Points blk (cpu:: or cuda::AttentionBlock: the same fields) at the query run qr and the key
-// run kr (rows and global positions).
-template <typename Block>
-void set_runs(Block& blk, const Run& qr, const Run& kr) {
+// Points blk at the query run qr and the key run kr (rows and global positions).
+void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
   blk.q_begin = qr.local_begin;
   blk.q_len = qr.length;
   blk.q_pos0 = qr.global_begin;

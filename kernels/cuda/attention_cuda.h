@@ -8,31 +8,20 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/attention_block.h"
 #include "src/dtype.h"
 #include "src/spec.h"
 
 namespace dattn::cuda {
 
-// One block of work, with the fields and meaning of cpu::AttentionBlock (see there): tensors are
-// bshd, contiguous, on the device:
-//   q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_kv, head_dim],
-//   v [batch, seq_k, heads_kv, head_dim_v], all bf16 or all fp16.
-// Query row q_begin + i sits at global position q_pos0 + (i / q_pos_block) * q_pos_stride +
-// i % q_pos_block, key rows likewise. The mask is given by value, as a kernel reads it:
-// a query at position q sees a key at position k when k is in [q - left, q + right] (-1: no limit
-// on that side) and, when cu_seqlens is given, both lie in the same document. cu_seqlens is a
-// DEVICE array of num_docs + 1 increasing int64 boundaries (as Mask::document's), or null for one
+// One block of work (kernels/attention_block.h), its tensors on the device, all bf16 or all
+// fp16 (the default dtype here is bf16), and its mask by value, as a kernel reads it: a query at
+// position q sees a key at position k when k is in [q - left, q + right] (-1: no limit on that
+// side) and, when cu_seqlens is given, both lie in the same document. cu_seqlens is a DEVICE
+// array of num_docs + 1 increasing int64 boundaries (as Mask::document's), or null for one
 // document. set_mask fills these four fields from a Mask.
-struct AttentionBlock {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  DType dtype = DType::bf16;
-  int64_t batch = 0, seq_q = 0, seq_k = 0;
-  int64_t heads_q = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
-  int64_t q_begin = 0, q_len = -1, q_pos0 = 0, q_pos_stride = 1, q_pos_block = 1;
-  int64_t k_begin = 0, k_len = -1, k_pos0 = 0, k_pos_stride = 1, k_pos_block = 1;
-  float scale = 1.f;
+struct AttentionBlock : BlockOfWork {
+  AttentionBlock() { dtype = DType::bf16; }
   int64_t left = -1, right = -1;
   const int64_t* cu_seqlens = nullptr;  // device pointer, num_docs + 1 entries; null: none
   int64_t num_docs = 0;

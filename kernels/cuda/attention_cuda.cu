@@ -137,32 +137,12 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaSt
 
   // ---------------------------------------------------------------- launch
   detail::FlashParams p;
-  p.q = blk.q;
-  p.k = blk.k;
-  p.v = blk.v;
+  static_cast<AttentionBlock&>(p) = blk;
+  p.q_len = q_len;
+  p.k_len = k_len;
+  p.cu_seqlens = blk.num_docs > 0 ? blk.cu_seqlens : nullptr;
   p.out = out;
   p.lse = lse;
-  p.batch = blk.batch;
-  p.seq_q = blk.seq_q;
-  p.seq_k = blk.seq_k;
-  p.heads_q = blk.heads_q;
-  p.heads_kv = blk.heads_kv;
-  p.head_dim = blk.head_dim;
-  p.head_dim_v = blk.head_dim_v;
-  p.q_begin = blk.q_begin;
-  p.q_len = q_len;
-  p.q_pos0 = blk.q_pos0;
-  p.q_pos_stride = blk.q_pos_stride;
-  p.q_pos_block = blk.q_pos_block;
-  p.k_begin = blk.k_begin;
-  p.k_len = k_len;
-  p.k_pos0 = blk.k_pos0;
-  p.k_pos_stride = blk.k_pos_stride;
-  p.k_pos_block = blk.k_pos_block;
-  p.left = blk.left;
-  p.right = blk.right;
-  p.cu_seqlens = blk.num_docs > 0 ? blk.cu_seqlens : nullptr;
-  p.num_docs = blk.num_docs;
   p.scale_log2 = float(double(blk.scale) * 1.4426950408889634);  // exp(x) = exp2(x log2 e)
   // 16-byte cp.async needs every row start 16-byte aligned: dims multiples of 8 elements and
   // aligned bases (cudaMalloc's are). Otherwise the kernel loads element by element.

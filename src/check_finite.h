@@ -17,11 +17,13 @@ namespace dattn {
 // [B, S, C]) and
 // throws dattn::Error naming `name`, the first non-finite value and where it is: batch, the
 // global position position(row) of its row, the local row, head and dim. Batch by batch, rows
-// in order: the first in memory order.
-inline void check_finite_rows(const Tensor& t, const std::string& name, int64_t row0, int64_t rows,
-                              const std::function<int64_t(int64_t)>& position) {
-  const int64_t S = t.size(1), H = t.size(2), D = t.size(3);
+// in order: the first in memory order. A device tensor is copied to the host to be scanned: the
+// check is a debugging mode, off by default, and the host scan names positions as on the CPU.
+inline void check_finite_rows(const Tensor& tensor, const std::string& name, int64_t row0,
+                              int64_t rows, const std::function<int64_t(int64_t)>& position) {
+  const int64_t S = tensor.size(1), H = tensor.size(2), D = tensor.size(3);
   if (rows <= 0 || H * D == 0) return;
+  const Tensor t = tensor.device().is_cpu() ? tensor : tensor.to_device(Device::cpu());
   for (int64_t b = 0; b < t.size(0); ++b) {
     const int64_t first = (b * S + row0) * H * D;
     const int64_t i = cpu::find_non_finite(

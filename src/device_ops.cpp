@@ -70,6 +70,46 @@ void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, 
 #endif
 }
 
+void pack_rows(Device device, void* buf, const void* src, int64_t outer, int64_t inner,
+               size_t outer_stride, size_t inner_stride, size_t row_bytes) {
+  if (device.is_cpu()) {
+    movement::host::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void unpack_rows(Device device, void* dst, const void* buf, int64_t outer, int64_t inner,
+                 size_t outer_stride, size_t inner_stride, size_t row_bytes) {
+  if (device.is_cpu()) {
+    movement::host::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes,
+                              nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void merge_partials(Device device, float* out_a, float* lse_a, const float* out_b,
+                    const float* lse_b, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
+  if (device.is_cpu()) {
+    movement::host::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
 void weigh_partial(Device device, float* packed, const float* out, const float* lse, const float* m,
                    int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
   if (device.is_cpu()) {

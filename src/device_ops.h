@@ -4,8 +4,9 @@
 // the device itself (DESIGN.md "Backends"); this file and src/attention.cpp are where it happens.
 //
 // GPU work goes on the legacy default stream, as the attention kernels run (src/attention.cpp):
-// the NCCL communicator's stream is a blocking one, so the order kernel -> copy/weigh -> NCCL
-// collective -> unweigh holds without events. Calls return once the GPU work is queued.
+// the NCCL communicator orders its calls after that stream's queued work and completes them on
+// the host, so the order kernel -> copy/weigh -> NCCL collective -> unweigh holds without events
+// in the callers. Calls return once the GPU work is queued.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,18 @@ void copy_bytes(void* dst, const void* src, size_t bytes, Device device);
 void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, const void* src,
                Device src_device, int64_t src_seq, int64_t src_row0, int64_t batch, int64_t rows,
                size_t row_bytes);
+
+// movement::{host,cuda}::pack_rows and unpack_rows (kernels/movement/movement.h: a strided block
+// of rows to and from a contiguous buffer) on `device`, every pointer there.
+void pack_rows(Device device, void* buf, const void* src, int64_t outer, int64_t inner,
+               size_t outer_stride, size_t inner_stride, size_t row_bytes);
+void unpack_rows(Device device, void* dst, const void* buf, int64_t outer, int64_t inner,
+                 size_t outer_stride, size_t inner_stride, size_t row_bytes);
+
+// movement::{host,cuda}::merge_partials on `device`: (out_a, lse_a) <- their merge with
+// (out_b, lse_b), the rule of kernels/merge.h for every row.
+void merge_partials(Device device, float* out_a, float* lse_a, const float* out_b,
+                    const float* lse_b, int64_t batch, int64_t seq, int64_t heads, int64_t dv);
 
 // movement::{host,cuda}::weigh_partial and unweigh_partial (kernels/movement/movement.h: the
 // tree decode's allreduce payload and its merge) on `device`, every pointer there.

@@ -1,7 +1,7 @@
 // Tests of the device-dispatching helpers (src/device_ops.h) on the host: the path every CPU run
 // takes (the KV cache's row copies, the tree decode's copy and weighting), against the plain
 // loops and movement::host calls they stand for, bit for bit. The GPU path runs in
-// tests/gpu/test_gpu_decode.cpp.
+// tests/gpu/test_gpu_{attention,decode,star}.cpp.
 #include "src/device_ops.h"
 
 #include <gtest/gtest.h>
@@ -83,6 +83,53 @@ TEST(DeviceOpsHost, WeighAndUnweighAreMovementHost) {
     if (i == 2) continue;
     EXPECT_NEAR(lse_a[i], lse[i], 1e-5) << i;
   }
+}
+
+// pack_rows / unpack_rows on the host (the Ulysses all-to-all's packing): the strided rows in
+// order, and back, bit for bit; a block of no rows touches nothing.
+TEST(DeviceOpsHost, PackAndUnpackRows) {
+  const int64_t outer = 3, inner = 4;
+  const size_t row = 10, inner_stride = 26, outer_stride = 4 * inner_stride + 7;
+  const auto src = random_bytes(size_t(outer) * outer_stride, 4);
+  std::vector<unsigned char> buf(size_t(outer * inner) * row), want(buf.size());
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i)
+      std::memcpy(want.data() + size_t(o * inner + i) * row,
+                  src.data() + size_t(o) * outer_stride + size_t(i) * inner_stride, row);
+  pack_rows(Device::cpu(), buf.data(), src.data(), outer, inner, outer_stride, inner_stride, row);
+  EXPECT_EQ(buf, want);
+  auto dst = random_bytes(src.size(), 5);
+  auto dst_want = dst;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i)
+      std::memcpy(dst_want.data() + size_t(o) * outer_stride + size_t(i) * inner_stride,
+                  buf.data() + size_t(o * inner + i) * row, row);
+  unpack_rows(Device::cpu(), dst.data(), buf.data(), outer, inner, outer_stride, inner_stride, row);
+  EXPECT_EQ(dst, dst_want);
+  EXPECT_NO_THROW(pack_rows(Device::cpu(), nullptr, nullptr, 0, inner, 0, 0, row));
+  EXPECT_NO_THROW(unpack_rows(Device::cpu(), nullptr, nullptr, outer, 0, 0, 0, row));
+}
+
+// merge_partials on the host is movement::host's, bit for bit, with an empty row on each side.
+TEST(DeviceOpsHost, MergePartialsIsMovementHost) {
+  const int64_t B = 2, S = 3, H = 2, Dv = 5;
+  const size_t rows = size_t(B * H * S), n_out = size_t(B * S * H * Dv);
+  std::mt19937 gen(9);
+  std::normal_distribution<float> nd;
+  std::vector<float> out_a(n_out), lse_a(rows), out_b(n_out), lse_b(rows);
+  for (auto* v : {&out_a, &lse_a, &out_b, &lse_b})
+    for (auto& x : *v)
+      x = nd(gen);
+  lse_a[1] = -std::numeric_limits<float>::infinity();
+  lse_b[4] = -std::numeric_limits<float>::infinity();
+  std::vector<float> got_out = out_a, got_lse = lse_a, want_out = out_a, want_lse = lse_a;
+  merge_partials(Device::cpu(), got_out.data(), got_lse.data(), out_b.data(), lse_b.data(), B, S, H,
+                 Dv);
+  movement::host::merge_partials(want_out.data(), want_lse.data(), out_b.data(), lse_b.data(), B, S,
+                                 H, Dv);
+  EXPECT_EQ(std::memcmp(got_out.data(), want_out.data(), n_out * 4), 0);
+  EXPECT_EQ(std::memcmp(got_lse.data(), want_lse.data(), rows * 4), 0);
+  EXPECT_NE(std::memcmp(got_lse.data(), lse_a.data(), rows * 4), 0);  // it did merge
 }
 
 TEST(DeviceOpsHost, CudaKernelLimitsNameTheValue) {

@@ -73,6 +73,10 @@ class Communicator {
   // Point-to-point. Counted as "send": bytes.
   virtual RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) = 0;
   virtual RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) = 0;
+  // Starts the operations posted so far where a backend defers them (NCCL issues them in one
+  // group: see NcclCommunicator), so that they overlap the work the caller queues next; MPI's
+  // started at isend/irecv already. The requests stay pending until wait.
+  virtual void start() {}
   virtual void wait(RequestPtr& request) = 0;  // completes and releases; null is a no-op
   // Completes and releases every request (nulls are skipped), then clears the vector. A backend
   // may wait on them together (MPI: one deadline for all, see MpiCommunicator).

@@ -194,9 +194,10 @@ struct CudaSetup {
   int device = -1;
   cudaStream_t stream = nullptr;
   bool owns_stream = false;
-  cudaEvent_t done = nullptr;
+  cudaEvent_t done = nullptr, ready = nullptr;
   ~CudaSetup() {
     if (done != nullptr) cudaEventDestroy(done);
+    if (ready != nullptr) cudaEventDestroy(ready);
     if (owns_stream && stream != nullptr) cudaStreamDestroy(stream);
   }
 };
@@ -223,8 +224,10 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
   // ranks for a split (ncclCommSplit is collective over the parent), else this group's.
   MpiCommunicator& everyone = parent != nullptr ? *parent->control_ : *control;
 
-  // 1. Local CUDA objects. The stream is a blocking one (cudaStreamCreate): work the caller put on
-  // the legacy default stream is ordered before our NCCL calls without an explicit sync.
+  // 1. Local CUDA objects. The stream is a non-blocking one, so that a kernel on the legacy default
+  // stream runs while our transfers do (a blocking stream would serialise them with every kernel);
+  // work on the legacy default stream is ordered before each NCCL call by the event `ready`
+  // (follow_default_stream).
   CudaSetup cuda;
   std::exception_ptr error;
   try {
@@ -232,10 +235,11 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
     if (stream != nullptr) {
       cuda.stream = stream;
     } else {
-      DATTN_CUDA_CHECK(cudaStreamCreate(&cuda.stream));
+      DATTN_CUDA_CHECK(cudaStreamCreateWithFlags(&cuda.stream, cudaStreamNonBlocking));
       cuda.owns_stream = true;
     }
     DATTN_CUDA_CHECK(cudaEventCreateWithFlags(&cuda.done, cudaEventDisableTiming));
+    DATTN_CUDA_CHECK(cudaEventCreateWithFlags(&cuda.ready, cudaEventDisableTiming));
   } catch (const Error&) {
     error = std::current_exception();
   }
@@ -301,20 +305,21 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
   }
 
   auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
-      std::move(control), comm, cuda.stream, cuda.owns_stream, cuda.done, cuda.device));
+      std::move(control), comm, cuda.stream, cuda.owns_stream, cuda.done, cuda.ready, cuda.device));
   cuda.owns_stream = false;  // handed on
-  cuda.done = nullptr;
+  cuda.done = cuda.ready = nullptr;
   return out;
 }
 
 NcclCommunicator::NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm,
                                    cudaStream_t stream, bool owns_stream, cudaEvent_t done,
-                                   int device)
+                                   cudaEvent_t ready, int device)
     : control_(std::move(control)),
       device_(device),
       stream_(stream),
       owns_stream_(owns_stream),
       done_(done),
+      ready_(ready),
       comm_(comm),
       rank_(control_->rank()),
       size_(control_->size()),
@@ -349,6 +354,7 @@ NcclCommunicator::~NcclCommunicator() {
     comm_ = nullptr;
   }
   if (done_ != nullptr) cudaEventDestroy(done_);
+  if (ready_ != nullptr) cudaEventDestroy(ready_);
   if (owns_stream_ && stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -437,6 +443,7 @@ RequestPtr NcclCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
 // order even where they posted them differently, as MPI's tag matching would pair them.
 // Zero-byte messages are skipped on both sides (sizes must match, so both skip).
 void NcclCommunicator::flush() {
+  follow_default_stream();
   if (pending_.empty()) return;
   std::vector<PendingOp> ops;
   ops.swap(pending_);
@@ -453,6 +460,19 @@ void NcclCommunicator::flush() {
   }
   group.end();
   settle("point-to-point (group of pending sends and receives)");
+}
+
+// The stream waits (on the GPU, not the host) for what the legacy default stream holds now: the
+// kernels and copies that wrote the buffers about to be sent, and those still reading a buffer
+// about to be received into. Later work on the default stream is not waited for: a kernel queued
+// after start() overlaps the transfers.
+void NcclCommunicator::follow_default_stream() {
+  DATTN_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamLegacy));
+  DATTN_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+}
+
+void NcclCommunicator::start() {
+  flush();
 }
 
 void NcclCommunicator::wait(RequestPtr& request) {

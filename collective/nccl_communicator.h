@@ -18,15 +18,17 @@ namespace dattn {
 
 // Semantics, where they differ from MpiCommunicator:
 // - Buffers of isend/irecv/sendrecv and of every collective except allreduce_u64 are DEVICE
-//   pointers on the device that was current at creation. They must be ready with respect to
-//   stream(): work on the legacy default stream is ordered before it implicitly (an owned stream
-//   is a blocking stream); work on other streams needs the caller's event or synchronisation.
+//   pointers on the device that was current at creation. Work queued on the legacy default stream
+//   before an operation is issued is ordered before it (an event the stream waits for: see
+//   follow_default_stream); work on other streams needs the caller's event or synchronisation.
+//   The stream itself is non-blocking, so a kernel queued after start() overlaps the transfers.
 //   Every collective is complete on return (its results are in device memory, usable from any
 //   stream), as with MPI.
 // - Point-to-point: NCCL has no tags, and a send and its matching receive must be issued inside
 //   one ncclGroupStart/End or the pair can deadlock. So isend/irecv only record the operation;
-//   the pending operations are issued together, in one group, when wait/wait_all is called (any
-//   request) or a collective starts; the wait then completes on the stream under the deadline.
+//   the pending operations are issued together, in one group, when start() or wait/wait_all is
+//   called (any request) or a collective starts; the wait then completes on the stream under the
+//   deadline.
 //   Matching: between two ranks, the k-th send of a tag matches the k-th receive of that tag
 //   *within one batch* (the operations posted between two waits); across batches the order of
 //   posting decides. Strategies post each step's receives and sends, then wait: that holds. A
@@ -65,6 +67,9 @@ class NcclCommunicator final : public Communicator {
   // Tags are accepted and ignored but for ordering within a batch (see above).
   RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) override;
   RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) override;
+  // Issues the posted sends and receives now (one group), so that they run while the caller queues
+  // its kernels; wait/wait_all then completes them.
+  void start() override;
   void wait(RequestPtr& request) override;
   void wait_all(std::vector<RequestPtr>& requests) override;
   void sendrecv(const void* send_buf, size_t send_bytes, int dest, void* recv_buf,
@@ -98,15 +103,17 @@ class NcclCommunicator final : public Communicator {
 
   // Takes ownership of control, comm (already initialised) and, if owns_stream, stream.
   NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm, cudaStream_t stream,
-                   bool owns_stream, cudaEvent_t done, int device);
+                   bool owns_stream, cudaEvent_t done, cudaEvent_t ready, int device);
   // Builds a communicator from a control comm: CUDA setup, unique id over control, init.
   static std::unique_ptr<NcclCommunicator> create(std::unique_ptr<MpiCommunicator> control,
                                                   cudaStream_t stream,
                                                   const NcclCommunicator* parent, int color,
                                                   int key);
 
-  // Issues the pending point-to-point operations in one group.
+  // Issues the pending point-to-point operations in one group, after follow_default_stream().
   void flush();
+  // Makes the stream wait for the work queued on the legacy default stream so far.
+  void follow_default_stream();
   // Waits until the communicator leaves ncclInProgress (a call on a non-blocking communicator
   // returned before NCCL finished setting it up); an error or the deadline ends the job.
   void settle(const char* op) const;
@@ -122,7 +129,8 @@ class NcclCommunicator final : public Communicator {
   int device_ = -1;
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
-  cudaEvent_t done_ = nullptr;  // recorded at each blocking point
+  cudaEvent_t done_ = nullptr;   // recorded at each blocking point
+  cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream at each issue
   ncclComm_t comm_ = nullptr;
   int rank_ = 0;
   int size_ = 1;

@@ -56,7 +56,9 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
       pending.push_back(comm.isend(cur_k, k_bytes(origin), next, kTagK));
       pending.push_back(comm.isend(cur_v, v_bytes(origin), next, kTagV));
     }
-    // 2. Attend our queries to the block we hold, overlapped with the messages.
+    // 2. Attend our queries to the block we hold, overlapped with the messages (started first:
+    // a backend that defers them, NCCL, issues them now).
+    comm.start();
     if (holding && layout.any_visible(spec.mask, me, origin))
       attend_runs(q, layout.runs(me), cur_k, cur_v, layout.local_len(origin), layout.runs(origin),
                   spec, res);

@@ -157,7 +157,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
-  o.launch.runs_on_cuda = true;  // the tree decode (other strategies rejected below)
+  o.launch.runs_on_cuda = true;  // every strategy (the dtype checked below)
   dattn::resolve_launch_options(o.launch, 1);
   require_option(o.context >= 1, "--context", o.context, ">= 1");
   require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
@@ -208,13 +208,9 @@ std::optional<Options> parse_options(int argc, char** argv) {
   }
   for (int i = 0; i < 3; ++i)
     if (want[i]) o.strategies.push_back(order[i]);
-  // What decodes on a GPU so far: the tree on bf16/fp16 tensors. Whether this build and machine
+  // What decodes on a GPU: every strategy on bf16/fp16 tensors. Whether this build and machine
   // have a GPU is the Runtime's check (every rank reports it).
   if (o.launch.device == "cuda") {
-    for (Strategy s : o.strategies)
-      require_option(s == Strategy::tree, "--strategies", o.strategies_str,
-                     cat("tree with --device cuda (", dattn::strategy_name(s),
-                         " decodes on the CPU only so far)"));
     require_option(o.dtype != DType::f32, "--dtype", o.dtype_name,
                    "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
   }

@@ -200,7 +200,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
 
   using dattn::require_option;
   using dattn::detail::cat;
-  o.launch.runs_on_cuda = true;  // the ring forward (checked below)
+  o.launch.runs_on_cuda = true;  // the forward of every strategy (checked below)
   dattn::resolve_launch_options(o.launch, 1);
   if (!vm.count("seq-end")) o.seq_end = o.seq_begin;
   require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
@@ -333,11 +333,9 @@ std::optional<Options> parse_options(int argc, char** argv) {
   require_option(!o.compare_unmasked || o.mask != "none", "--compare-unmasked", "on",
                  "a mask other than none");
   require_option(!o.scaling || o.tp() == 1, "--scaling", "on", "--tp 1 (it times one rank alone)");
-  // What runs on a GPU so far: the ring forward on bf16/fp16 tensors. Whether this build and
+  // What runs on a GPU: every strategy's forward on bf16/fp16 tensors. Whether this build and
   // machine have a GPU is the Runtime's check (every rank reports it).
   if (o.launch.device == "cuda") {
-    require_option(o.strategy == dattn::Strategy::ring, "--strategy", o.strategy_name,
-                   "ring with --device cuda (ulysses and hybrid run on the CPU only so far)");
     require_option(o.dtype != DType::f32, "--dtype", o.dtype_name,
                    "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
     require_option(!o.backward, "--backward", "on", "off with --device cuda (a CPU-only pass)");

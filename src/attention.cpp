@@ -116,10 +116,11 @@ void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
 
 #if DATTN_WITH_CUDA
 // attend_runs on a GPU. The kernels run on the legacy default stream (stream 0), on purpose: the
-// NCCL communicator's stream is a blocking stream, so stream 0 orders each kernel after the
-// receive that filled its K/V block and before any later NCCL call that overwrites that block or
-// reads the partial, with no event or host synchronisation in the strategies. The price is that a
-// kernel does not overlap the messages of its own step.
+// NCCL communicator's own (non-blocking) stream waits for what stream 0 holds each time it issues
+// (NcclCommunicator::follow_default_stream), and its waits complete on the host; so each kernel
+// runs after the receive that filled its K/V block (waited for) and before any later NCCL call
+// that overwrites that block or reads the partial, with no event in the strategies. A kernel
+// queued after Communicator::start() overlaps the messages of its own step (ring.cpp).
 void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                       int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                       Partial& res) {
@@ -243,14 +244,9 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
                           const AttnSpec& spec, const Layout& layout, Strategy strategy, int U,
                           const Device* device) {
   check_qkv(q, k, v, spec, device);
-  if (!q.device().is_cpu()) {
-    // What the GPU path supports so far: caught here, agreed by every rank, before any data
-    // moves (the kernel's own checks would fire mid-schedule, on one rank).
-    DATTN_CHECK_ARG(strategy == Strategy::ring, "strategy", strategy_name(strategy),
-                    detail::cat("ring: strategy ", strategy_name(strategy),
-                                " on cuda tensors is not supported yet"));
-    check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
-  }
+  // The CUDA kernel's limits, caught here, agreed by every rank, before any data moves (the
+  // kernel's own checks would fire mid-schedule, on one rank).
+  if (!q.device().is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
       "strategy", strategy_name(strategy),
@@ -274,15 +270,11 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
 }
 
 // The non-finite check of this rank's shards (after the shape checks), positions from the layout.
-// A device tensor is copied to the host to be scanned: the check is a debugging mode, off by
-// default, and the host scan names the position exactly as on the CPU.
 void check_shards_finite(Communicator& comm, const Layout& layout,
                          std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
   const int rank = comm.rank();
-  for (auto [t, name] : tensors) {
-    const Tensor host = t->device().is_cpu() ? *t : t->to_device(Device::cpu());
-    check_finite_tensor(host, name, [&](int64_t row) { return layout.global_position(rank, row); });
-  }
+  for (auto [t, name] : tensors)
+    check_finite_tensor(*t, name, [&](int64_t row) { return layout.global_position(rank, row); });
 }
 
 // The same for attention_local's whole tensors, at positions pos0 + row.

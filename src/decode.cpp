@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels/merge.h"
 #include "src/check_finite.h"
 #include "src/device_ops.h"
 #include "src/error.h"
@@ -208,15 +207,17 @@ Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs
   return res;
 }
 
-// This rank's shard as a compact [B, len, H_kv, D] block (K and V back to back).
-std::vector<char> pack_shard(const KvCache& c) {
+// This rank's shard as a compact [B, len, H_kv, D] block (K and V back to back), at the start of a
+// buffer of at least `min_bytes` bytes on the cache's device.
+Tensor pack_shard(const KvCache& c, size_t min_bytes) {
   const int64_t n = c.local_len();
   const size_t kr = row_bytes(c.k()), vr = row_bytes(c.v());
-  std::vector<char> buf(size_t(c.batch() * n) * (kr + vr));
-  copy_rows(buf.data(), Device::cpu(), n, 0, c.k().data(), c.device(), c.capacity(), 0, c.batch(),
-            n, kr);
-  copy_rows(buf.data() + size_t(c.batch() * n) * kr, Device::cpu(), n, 0, c.v().data(), c.device(),
-            c.capacity(), 0, c.batch(), n, vr);
+  const Device dev = c.device();
+  Tensor buf = byte_buffer(std::max(size_t(c.batch() * n) * (kr + vr), min_bytes), dev);
+  char* p = static_cast<char*>(buf.data());
+  copy_rows(p, dev, n, 0, c.k().data(), dev, c.capacity(), 0, c.batch(), n, kr);
+  copy_rows(p + size_t(c.batch() * n) * kr, dev, n, 0, c.v().data(), dev, c.capacity(), 0,
+            c.batch(), n, vr);
   return buf;
 }
 
@@ -232,20 +233,18 @@ void attend_packed(const Tensor& q, const std::vector<Run>& q_runs, const char* 
 
 // Ring (pass-KV): shards rotate around the ranks; every rank attends to every shard. Each
 // shard's partial is kept apart and the partials are merged in rank order at the end, so that
-// every rank returns the same bits whatever order its shards arrived in.
+// every rank returns the same bits whatever order its shards arrived in. The buffers live on the
+// cache's device, so the schedule runs unchanged on host and GPU tensors.
 Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
                     const KvCache& c) {
   const int P = comm.size(), me = comm.rank();
   const size_t per_token = row_bytes(c.k()) + row_bytes(c.v());
   auto bytes_of = [&](int origin) { return size_t(c.batch() * c.local_len(origin)) * per_token; };
   std::vector<Partial> parts(static_cast<size_t>(P));
-  std::vector<char> buf[2];
-  buf[0] = pack_shard(c);
   size_t biggest = 0;
   for (int r = 0; r < P; ++r)
     biggest = std::max(biggest, bytes_of(r));
-  buf[1].resize(P > 1 ? biggest : 0);
-  if (P > 1) buf[0].resize(std::max(buf[0].size(), biggest));
+  Tensor buf[2] = {pack_shard(c, biggest), byte_buffer(P > 1 ? biggest : 0, c.device())};
   for (int step = 0; step < P; ++step) {
     const int origin = (me - step + P) % P, incoming = (me - step - 1 + 2 * P) % P;
     std::vector<RequestPtr> pending;
@@ -256,19 +255,22 @@ Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>&
       if (bytes_of(origin) > 0)
         pending.push_back(comm.isend(buf[step % 2].data(), bytes_of(origin), (me + 1) % P, 201));
     }
+    comm.start();  // the next hop runs while this shard is attended
     parts[size_t(origin)] = empty_partial(q, c.spec());
-    attend_packed(q, q_runs, buf[step % 2].data(), c, origin, parts[size_t(origin)]);
+    attend_packed(q, q_runs, static_cast<const char*>(buf[step % 2].data()), c, origin,
+                  parts[size_t(origin)]);
     comm.wait_all(pending);
   }
   const int64_t B = q.size(0), Sq = q.size(1), H = c.spec().heads_q, Dv = c.spec().dim_v();
   for (int r = 1; r < P; ++r)
-    merge_partials(parts[0].out.ptr<float>(), parts[0].lse.ptr<float>(),
+    merge_partials(q.device(), parts[0].out.ptr<float>(), parts[0].lse.ptr<float>(),
                    parts[size_t(r)].out.ptr<float>(), parts[size_t(r)].lse.ptr<float>(), B, Sq, H,
                    Dv);
   return parts[0];
 }
 
-// Allgather: every rank gathers every shard, then attends to all of them.
+// Allgather: every rank gathers every shard, then attends to all of them (buffers on the cache's
+// device, as the ring's).
 Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
                          const KvCache& c) {
   const int P = comm.size();
@@ -282,13 +284,13 @@ Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<
     attend_runs(q, q_runs, c.k().data(), c.v().data(), c.capacity(), c.runs(0), c.spec(), res);
     return res;
   }
-  const std::vector<char> mine = pack_shard(c);
-  std::vector<char> all(std::max<size_t>(total, 1));
-  comm.allgatherv(mine.data(), mine.size(), all.data(), counts);
+  const Tensor mine = pack_shard(c, 0);
+  const Tensor all = byte_buffer(total, c.device());
+  comm.allgatherv(mine.data(), counts[size_t(comm.rank())], all.data(), counts);
   Partial res = empty_partial(q, c.spec());
   size_t off = 0;
   for (int r = 0; r < P; ++r) {
-    attend_packed(q, q_runs, all.data() + off, c, r, res);
+    attend_packed(q, q_runs, static_cast<const char*>(all.data()) + off, c, r, res);
     off += counts[size_t(r)];
   }
   return res;
@@ -313,15 +315,8 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                     detail::cat(rt.device().str(), " (the Runtime's device)"));
     DATTN_CHECK_ARG(cache.device() == rt.device(), "cache device", cache.device().str(),
                     detail::cat(rt.device().str(), " (the Runtime's device)"));
-    if (!rt.device().is_cpu()) {
-      // What decodes on a GPU so far: tree only (ring and allgather pack shards through host
-      // buffers), with the CUDA kernel's limits. Caught here, agreed by every rank, before any
-      // data moves.
-      DATTN_CHECK_ARG(strategy == Strategy::tree, "strategy", strategy_name(strategy),
-                      detail::cat("tree: strategy ", strategy_name(strategy),
-                                  " on cuda tensors is not supported yet"));
-      check_cuda_kernel_limits(q.dtype(), cache.spec(), q.size(0));
-    }
+    // The CUDA kernel's limits, caught here, agreed by every rank, before any data moves.
+    if (!rt.device().is_cpu()) check_cuda_kernel_limits(q.dtype(), cache.spec(), q.size(0));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(q.size(0) == cache.batch(), "q batch", q.size(0), cache.batch());
@@ -333,15 +328,10 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                     detail::cat("1 to the context length (", cache.length(),
                                 "): append the new tokens' K/V before decoding them"));
     if (rt.check_finite()) {  // q, and this rank's cache rows (the filled ones only)
-      // Device tensors are copied to the host to be scanned, as dattn::attention does: the check
-      // is a debugging mode, off by default, and the host scan names positions as on the CPU.
-      auto on_host = [](const Tensor& t) {
-        return t.device().is_cpu() ? t : t.to_device(Device::cpu());
-      };
-      check_finite_tensor(on_host(q), "q", [&](int64_t row) { return cache.length() - Sq + row; });
+      check_finite_tensor(q, "q", [&](int64_t row) { return cache.length() - Sq + row; });
       auto cache_position = [&](int64_t row) { return cache.global_position(row); };
-      check_finite_rows(on_host(cache.k()), "cache k", 0, cache.local_len(), cache_position);
-      check_finite_rows(on_host(cache.v()), "cache v", 0, cache.local_len(), cache_position);
+      check_finite_rows(cache.k(), "cache k", 0, cache.local_len(), cache_position);
+      check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), cache_position);
     }
   });
   // The new queries are the last S_q tokens of the context.

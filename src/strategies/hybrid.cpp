@@ -5,9 +5,11 @@
 // second all-to-all returns every rank its own rows for all heads. Q, K and V travel in one
 // all-to-all, out and lse in the other. The backward is the same with the all-to-alls
 // transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back.
+// The forward runs unchanged on host and GPU tensors: its buffers live on q's device, the packing
+// goes through src/device_ops.h, and attend_runs picks the kernel.
 #include <vector>
 
-#include "kernels/movement/movement.h"
+#include "src/device_ops.h"
 #include "src/error.h"
 #include "src/strategies/strategies.h"
 
@@ -17,30 +19,31 @@ namespace {
 
 // One member's share of a tensor, on the way out or back: rows [B, rows, heads, dim] of bytes
 // `esz`, taken from or put into a bshd tensor of `seq` rows and `all_heads` heads at row `row0`
-// and head `head0`. to_buffer: tensor -> buffer, else buffer -> tensor. Returns bytes moved.
-size_t copy_block(char* tensor, int64_t B, int64_t seq, int64_t all_heads, int64_t row0,
+// and head `head0`. to_buffer: tensor -> buffer, else buffer -> tensor; both on `dev`. Returns
+// bytes moved.
+size_t copy_block(Device dev, char* tensor, int64_t B, int64_t seq, int64_t all_heads, int64_t row0,
                   int64_t rows, int64_t head0, int64_t heads, int64_t dim, size_t esz, char* buf,
                   bool to_buffer) {
   if (B * rows == 0) return 0;  // an empty share: the tensor and buf may be null
   const size_t chunk = size_t(heads * dim) * esz, row_stride = size_t(all_heads * dim) * esz;
   char* t = tensor + size_t(row0 * all_heads + head0) * size_t(dim) * esz;
   if (to_buffer)
-    movement::host::pack_rows(buf, t, B, rows, size_t(seq) * row_stride, row_stride, chunk);
+    pack_rows(dev, buf, t, B, rows, size_t(seq) * row_stride, row_stride, chunk);
   else
-    movement::host::unpack_rows(t, buf, B, rows, size_t(seq) * row_stride, row_stride, chunk);
+    unpack_rows(dev, t, buf, B, rows, size_t(seq) * row_stride, row_stride, chunk);
   return size_t(B * rows) * chunk;
 }
 
 // The lse rows [B, heads, rows] of an lse tensor [B, all_heads, seq] at head0 / row0.
-size_t copy_lse(float* lse, int64_t B, int64_t seq, int64_t all_heads, int64_t row0, int64_t rows,
-                int64_t head0, int64_t heads, char* buf, bool to_buffer) {
+size_t copy_lse(Device dev, float* lse, int64_t B, int64_t seq, int64_t all_heads, int64_t row0,
+                int64_t rows, int64_t head0, int64_t heads, char* buf, bool to_buffer) {
   if (B * rows == 0) return 0;  // an empty share: the tensor and buf may be null
   const size_t f = sizeof(float), n = size_t(rows) * f;
   float* t = lse + head0 * seq + row0;
   if (to_buffer)
-    movement::host::pack_rows(buf, t, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
+    pack_rows(dev, buf, t, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
   else
-    movement::host::unpack_rows(t, buf, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
+    unpack_rows(dev, t, buf, B, heads, size_t(all_heads * seq) * f, size_t(seq) * f, n);
   return size_t(B * heads) * n;
 }
 
@@ -63,24 +66,25 @@ struct Members {
 // Copies member j's share of one part into (to_buffer) or out of a message buffer. to_heads:
 // the sender holds rows [0, Sl) of all heads and sends heads [j*h, (j+1)*h); the receiver
 // puts them at rows [row0_j, row0_j + rows_j) of its own heads. Back: the reverse.
-size_t copy_share(const Part& p, char* tensor, bool tensor_is_rows, int j, int U, int64_t B,
-                  int64_t Sl, const Members& m, char* buf, bool to_buffer) {
+size_t copy_share(Device dev, const Part& p, char* tensor, bool tensor_is_rows, int j, int U,
+                  int64_t B, int64_t Sl, const Members& m, char* buf, bool to_buffer) {
   const int64_t Sg = m.row0.back();
   const int64_t seq = tensor_is_rows ? Sl : Sg, all_heads = tensor_is_rows ? U * p.heads : p.heads;
   const int64_t row0 = tensor_is_rows ? 0 : m.row0[size_t(j)];
   const int64_t rows = tensor_is_rows ? Sl : m.rows[size_t(j)];
   const int64_t head0 = tensor_is_rows ? j * p.heads : 0;
   if (p.lse)
-    return copy_lse(reinterpret_cast<float*>(tensor), B, seq, all_heads, row0, rows, head0, p.heads,
-                    buf, to_buffer);
-  return copy_block(tensor, B, seq, all_heads, row0, rows, head0, p.heads, p.dim, p.esz, buf,
+    return copy_lse(dev, reinterpret_cast<float*>(tensor), B, seq, all_heads, row0, rows, head0,
+                    p.heads, buf, to_buffer);
+  return copy_block(dev, tensor, B, seq, all_heads, row0, rows, head0, p.heads, p.dim, p.esz, buf,
                     to_buffer);
 }
 
 // One all-to-all over the group moving every part: sequence shards to head shards (to_heads) or
-// back. Each part's bytes per row and member are heads * dim * esz.
-void exchange(Communicator& group, const std::vector<Part>& parts, int64_t B, int64_t Sl,
-              const Members& m, bool to_heads) {
+// back. Each part's bytes per row and member are heads * dim * esz. Every tensor and both message
+// buffers live on `dev` (the group's memory: host for MPI, the GPU for NCCL).
+void exchange(Device dev, Communicator& group, const std::vector<Part>& parts, int64_t B,
+              int64_t Sl, const Members& m, bool to_heads) {
   const int U = group.size();
   size_t row_bytes = 0;
   for (const Part& p : parts)
@@ -97,18 +101,22 @@ void exchange(Communicator& group, const std::vector<Part>& parts, int64_t B, in
     send_total += send_bytes[size_t(j)];
     recv_total += recv_bytes[size_t(j)];
   }
-  std::vector<char> send(send_total), recv(recv_total);
+  const Tensor send = byte_buffer(send_total, dev), recv = byte_buffer(recv_total, dev);
+  char* send_buf = static_cast<char*>(send.data());
+  char* recv_buf = static_cast<char*>(recv.data());
   size_t off = 0;
   for (int j = 0; j < U; ++j)
     for (const Part& p : parts)
-      off += copy_share(p, static_cast<char*>(const_cast<void*>(p.src)), to_heads, j, U, B, Sl, m,
-                        send.data() + off, true);
-  group.alltoallv(send.data(), send_bytes, recv.data(), recv_bytes);
+      off += copy_share(dev, p, static_cast<char*>(const_cast<void*>(p.src)), to_heads, j, U, B, Sl,
+                        m, send_buf + off, true);
+  group.alltoallv(send_buf, send_bytes, recv_buf, recv_bytes);
   off = 0;
   for (int j = 0; j < U; ++j)
     for (const Part& p : parts)
-      off += copy_share(p, static_cast<char*>(p.dst), !to_heads, j, U, B, Sl, m, recv.data() + off,
-                        false);
+      off += copy_share(dev, p, static_cast<char*>(p.dst), !to_heads, j, U, B, Sl, m,
+                        recv_buf + off, false);
+  // send and recv are freed on return while a GPU's unpacking may still be queued: cudaFree
+  // waits for the device's queued work first.
 }
 
 Members members_of(const Communicator& group, const Layout& layout, int cp_rank) {
@@ -144,12 +152,13 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
   const int64_t Sg = m.row0.back();
+  const Device dev = q.device();  // every buffer on q's device: the same schedule on host and GPU
 
   // 1. Q, K, V: my rows of member j's heads to member j.
-  Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());
-  Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype());
-  Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype());
-  exchange(group,
+  Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype(), dev);
+  Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype(), dev);
+  Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype(), dev);
+  exchange(dev, group,
            {{q.data(), qg.data(), hq, D, esz},
             {k.data(), kg.data(), hkv, D, esz},
             {v.data(), vg.data(), hkv, Dv, esz}},
@@ -166,9 +175,9 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
   }
 
   // 3. out and lse: member j's rows of my heads back to member j.
-  Partial res{Tensor::empty({B, Sl, spec.heads_q, Dv}, DType::f32),
-              Tensor::empty({B, spec.heads_q, Sl}, DType::f32)};
-  exchange(group,
+  Partial res{Tensor::empty({B, Sl, spec.heads_q, Dv}, DType::f32, dev),
+              Tensor::empty({B, spec.heads_q, Sl}, DType::f32, dev)};
+  exchange(dev, group,
            {{part.out.data(), res.out.data(), hq, Dv, f},
             {part.lse.data(), res.lse.data(), hq, 1, f, true}},
            B, Sl, m, false);
@@ -186,6 +195,7 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
   const int64_t Sg = m.row0.back();
+  // Host tensors only: the backward has no CUDA kernel (validation rejects cuda tensors).
 
   // 1. The forward's exchange of Q, K, V, plus dout (fp32) and the rows' lse and delta.
   Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());
@@ -194,7 +204,7 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   Tensor dog = Tensor::empty({B, Sg, hq, Dv}, DType::f32);
   Tensor lseg = Tensor::empty({B, hq, Sg}, DType::f32);
   Tensor deltag = Tensor::empty({B, hq, Sg}, DType::f32);
-  exchange(group,
+  exchange(Device::cpu(), group,
            {{q.data(), qg.data(), hq, D, esz},
             {k.data(), kg.data(), hkv, D, esz},
             {v.data(), vg.data(), hkv, Dv, esz},
@@ -221,7 +231,7 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32),
               Tensor::empty({B, Sl, spec.heads_kv, D}, DType::f32),
               Tensor::empty({B, Sl, spec.heads_kv, Dv}, DType::f32)};
-  exchange(group,
+  exchange(Device::cpu(), group,
            {{part.dq.data(), g.dq.data(), hq, D, f},
             {part.dk.data(), g.dk.data(), hkv, D, f},
             {part.dv.data(), g.dv.data(), hkv, Dv, f}},

@@ -7,12 +7,12 @@
 // Phase 2 gathers the partials at the query rank and merges them there: each other rank sends
 // its partial exactly once (B * S_q * H * (D_v + 1) floats), the least any scheme can send; a
 // reduce would first need a max of lse on every rank (one more round) to rescale before summing.
-#include <cstring>
-
-#include "kernels/merge.h"
-#include "src/check_finite.h"
-#include "src/error.h"
+// Both phases run unchanged on host and GPU tensors: buffers live on the Runtime's device and the
+// copies and the merge go through src/device_ops.h.
 #include "src/star.h"
+#include "src/check_finite.h"
+#include "src/device_ops.h"
+#include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 
@@ -39,8 +39,10 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
   Communicator& comm = rt.cp();
   const int P = comm.size(), me = comm.rank();
   uint64_t hash = attention_config_hash(spec, layout, Strategy::ring, q.dtype(), q.size(0));
+  const Device dev = rt.device();
   agree_on_validation(comm, "star prefill", hash_mix(hash, uint64_t(anchor)), [&] {
-    check_qkv(q, k, v, spec);
+    check_qkv(q, k, v, spec, &dev);
+    if (!dev.is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
     DATTN_CHECK_ARG(layout.kind() == Layout::Kind::blocks, "layout", layout.str(),
                     "Layout::blocks(S, P, b) (star attention places whole blocks)");
     DATTN_CHECK_ARG(layout.ranks() == P, "layout ranks", layout.ranks(), P);
@@ -64,17 +66,15 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
   // The anchor: the first a tokens' K/V, from the rank that holds them to every other.
   const size_t kr = size_t(spec.heads_kv * spec.head_dim) * dtype_size(q.dtype());
   const size_t vr = size_t(spec.heads_kv * spec.dim_v()) * dtype_size(q.dtype());
-  std::vector<char> anchor_kv(size_t(B * a) * (kr + vr));
+  const size_t anchor_bytes = size_t(B * a) * (kr + vr);
+  const Tensor anchor_buf = byte_buffer(anchor_bytes, dev);
+  char* anchor_kv = static_cast<char*>(anchor_buf.data());
   if (a > 0) {
-    if (me == root) {
-      for (int64_t b = 0; b < B; ++b) {
-        std::memcpy(anchor_kv.data() + size_t(b * a) * kr,
-                    static_cast<const char*>(k.data()) + size_t(b * n) * kr, size_t(a) * kr);
-        std::memcpy(anchor_kv.data() + size_t(B * a) * kr + size_t(b * a) * vr,
-                    static_cast<const char*>(v.data()) + size_t(b * n) * vr, size_t(a) * vr);
-      }
+    if (me == root) {  // [B, a] rows of K, then of V, from the first a of each batch entry's n
+      copy_rows(anchor_kv, dev, a, 0, k.data(), dev, n, 0, B, a, kr);
+      copy_rows(anchor_kv + size_t(B * a) * kr, dev, a, 0, v.data(), dev, n, 0, B, a, vr);
     }
-    if (P > 1) comm.broadcast(anchor_kv.data(), anchor_kv.size(), root);
+    if (P > 1) comm.broadcast(anchor_kv, anchor_bytes, root);
   }
   // Every block on its own: [anchor | block], causal on global positions. Block 0 holds the
   // anchor itself and attends to itself only. The anchor's K/V are the broadcast copy (the
@@ -85,8 +85,8 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
       const Run block{run.local_begin + off, run.global_begin + off, 1,
                       std::min(b, run.length - off)};
       if (block.global_begin > 0 && a > 0)
-        attend_runs(q, {block}, anchor_kv.data(), anchor_kv.data() + size_t(B * a) * kr, a,
-                    {Run{0, 0, 1, a}}, spec, res);
+        attend_runs(q, {block}, anchor_kv, anchor_kv + size_t(B * a) * kr, a, {Run{0, 0, 1, a}},
+                    spec, res);
       attend_runs(q, {block}, k.data(), v.data(), n, {block}, spec, res);
     }
   }
@@ -98,6 +98,7 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
   const int P = comm.size(), me = comm.rank(), root = P - 1;
   const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;
   const AttnSpec& spec = cache.spec();
+  const Device dev = rt.device();
   uint64_t hash = hash_mix(cache.hash(), uint64_t(Sq));
   agree_on_validation(comm, "star decode step", hash, [&] {
     DATTN_CHECK_ARG(cache.placement() == Placement::last_rank, "placement",
@@ -107,6 +108,11 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
                     detail::cat(cache.rank(), " of ", cache.ranks()),
                     detail::cat(me, " of ", P, " (this cp rank)"));
     DATTN_CHECK_ARG(q.dim() == 4, "q rank", q.dim(), "4 dimensions [batch, S_q, heads, head_dim]");
+    DATTN_CHECK_ARG(q.device() == dev, "q device", q.device().str(),
+                    detail::cat(dev.str(), " (the Runtime's device)"));
+    DATTN_CHECK_ARG(cache.device() == dev, "cache device", cache.device().str(),
+                    detail::cat(dev.str(), " (the Runtime's device)"));
+    if (!dev.is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(
@@ -126,7 +132,8 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
   const int64_t B = q.size(0), H = spec.heads_q, Dv = spec.dim_v();
 
   // 1. The query, from the query rank to every rank.
-  Tensor qb = q.to(q.dtype());  // a copy every rank may overwrite
+  Tensor qb = Tensor::empty({B, Sq, H, spec.head_dim}, q.dtype(), dev);  // every rank may overwrite
+  copy_bytes(qb.data(), q.data(), qb.nbytes(), dev);
   if (P > 1) comm.broadcast(qb.data(), qb.nbytes(), root);
   // 2. Every rank's partial against its cache.
   Partial part = empty_partial(qb, spec);
@@ -135,16 +142,17 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
   if (P == 1) return part;
   // 3. Gathered at the query rank as [out | lse] and merged there in rank order.
   const size_t out_n = size_t(part.out.numel()), lse_n = size_t(part.lse.numel());
-  std::vector<float> mine(out_n + lse_n);
-  std::memcpy(mine.data(), part.out.data(), out_n * sizeof(float));
-  std::memcpy(mine.data() + out_n, part.lse.data(), lse_n * sizeof(float));
-  std::vector<float> all(me == root ? mine.size() * size_t(P) : 1);
-  comm.gather(mine.data(), all.data(), mine.size() * sizeof(float), root);
+  const size_t mine_n = out_n + lse_n, f = sizeof(float);
+  Tensor mine = byte_buffer(mine_n * f, dev);
+  copy_bytes(mine.ptr<float>(), part.out.data(), out_n * f, dev);
+  copy_bytes(mine.ptr<float>() + out_n, part.lse.data(), lse_n * f, dev);
+  const Tensor all = byte_buffer(me == root ? mine_n * size_t(P) * f : 0, dev);
+  comm.gather(mine.data(), all.data(), mine_n * f, root);
   if (me != root) return Partial{};
   Partial res = empty_partial(qb, spec);
   for (int r = 0; r < P; ++r) {
-    const float* p = all.data() + size_t(r) * mine.size();
-    merge_partials(res.out.ptr<float>(), res.lse.ptr<float>(), p, p + out_n, B, Sq, H, Dv);
+    const float* p = all.ptr<float>() + size_t(r) * mine_n;
+    merge_partials(dev, res.out.ptr<float>(), res.lse.ptr<float>(), p, p + out_n, B, Sq, H, Dv);
   }
   return res;
 }

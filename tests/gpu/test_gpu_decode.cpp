@@ -1,8 +1,8 @@
-// Multi-rank GPU tests (1-2 ranks, one GPU each) of decoding on cuda tensors: the tree decode
-// through dattn::decode on a GPU Runtime (NCCL cp group, CUDA kernels, device KV cache) against
-// the CPU backend's decode on the same ranks and inputs, against the float64 reference, and with
-// the exact bytes of decode_send_bytes; the two-level tree over declared nodes; and what the GPU
-// decode rejects (ring, allgather, host tensors, fp32) on every rank.
+// Multi-rank GPU tests (1-2 ranks, one GPU each) of decoding on cuda tensors: the tree, ring and
+// allgather decodes through dattn::decode on a GPU Runtime (NCCL cp group, CUDA kernels, device KV
+// cache) against the CPU backend's decode on the same ranks and inputs, against the float64
+// reference, and with the exact bytes of decode_send_bytes; the two-level tree over declared
+// nodes; and what the GPU decode rejects (host tensors, fp32) on every rank.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -163,9 +163,9 @@ class GpuDecode : public testing::TestWithParam<GpuDecodeCase> {
 std::unique_ptr<Runtime> GpuDecode::gpu_, GpuDecode::gpu_nodes_, GpuDecode::cpu_;
 
 // A zigzag-prefilled cache (device shards), then steps that append S_q host tokens and decode
-// them on the GPU and on the CPU backend: out and lse against both, the same on every rank, and
-// the bytes exactly the model's and the CPU backend's.
-TEST_P(GpuDecode, TreeMatchesCpuBackendReferenceAndByteModel) {
+// them with every strategy on the GPU and on the CPU backend: out and lse against both, the same
+// on every rank, and the bytes exactly the model's and the CPU backend's.
+TEST_P(GpuDecode, MatchesCpuBackendReferenceAndByteModel) {
   const GpuDecodeCase& c = GetParam();
   Runtime& g = gpu();
   Runtime& h = cpu();
@@ -187,36 +187,37 @@ TEST_P(GpuDecode, TreeMatchesCpuBackendReferenceAndByteModel) {
     append_next(hcache, ctx, c.s_q);
     ASSERT_TRUE(same_cache_rows(gcache, hcache)) << "after append " << step;
     const int64_t len = gcache.length();
-    const std::string where = "rank " + std::to_string(me) + " of " + std::to_string(P) + ", " +
-                              spec.mask.str() + ", S_q " + std::to_string(c.s_q) + ", length " +
-                              std::to_string(len);
     const Tensor q = test::random_tensor({kB, c.s_q, kHq, kD}, kDtype, 900 + uint64_t(step));
-
-    g.reset_counters();
-    const Partial res = decode(g, q.to_device(dev), gcache, Strategy::tree);
-    DATTN_CUDA_CHECK(cudaDeviceSynchronize());
-    const uint64_t sent = g.counters().data_bytes();
-    ASSERT_EQ(res.out.device(), dev);
-    ASSERT_EQ(res.lse.device(), dev);
-    const Partial got = to_host(res);
-
-    h.reset_counters();
-    const Partial want = decode(h, q, hcache, Strategy::tree);
-    const uint64_t sent_cpu = h.counters().data_bytes();
-
     const cpu::ReferenceResult ref = cpu::attention_reference(
         q, ctx.k.seq_slice(0, len), ctx.v.seq_slice(0, len), spec, len - c.s_q, 0);
-    EXPECT_TRUE(test::matches_reference(got.out.ptr<float>(), got.lse.ptr<float>(), kB, c.s_q, kHq,
-                                        kD, ref, kGpuTolerance))
-        << where;
-    EXPECT_TRUE(test::matches_reference(got.out.ptr<float>(), got.lse.ptr<float>(), kB, c.s_q, kHq,
-                                        kD, as_reference(want), kGpuTolerance))
-        << where << " (GPU vs CPU backend)";
-    EXPECT_TRUE(same_on_every_rank(got.out)) << where << " out";
-    EXPECT_TRUE(same_on_every_rank(got.lse)) << where << " lse";
-    EXPECT_EQ(sent, decode_send_bytes(Strategy::tree, gcache, c.s_q, 0, me)) << where;
-    EXPECT_EQ(sent, sent_cpu) << where;
-    if (HasFailure()) return;
+    for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather}) {
+      const std::string where = "rank " + std::to_string(me) + " of " + std::to_string(P) + ", " +
+                                strategy_name(s) + ", " + spec.mask.str() + ", S_q " +
+                                std::to_string(c.s_q) + ", length " + std::to_string(len);
+      g.reset_counters();
+      const Partial res = decode(g, q.to_device(dev), gcache, s);
+      DATTN_CUDA_CHECK(cudaDeviceSynchronize());
+      const uint64_t sent = g.counters().data_bytes();
+      ASSERT_EQ(res.out.device(), dev);
+      ASSERT_EQ(res.lse.device(), dev);
+      const Partial got = to_host(res);
+
+      h.reset_counters();
+      const Partial want = decode(h, q, hcache, s);
+      const uint64_t sent_cpu = h.counters().data_bytes();
+
+      EXPECT_TRUE(test::matches_reference(got.out.ptr<float>(), got.lse.ptr<float>(), kB, c.s_q,
+                                          kHq, kD, ref, kGpuTolerance))
+          << where;
+      EXPECT_TRUE(test::matches_reference(got.out.ptr<float>(), got.lse.ptr<float>(), kB, c.s_q,
+                                          kHq, kD, as_reference(want), kGpuTolerance))
+          << where << " (GPU vs CPU backend)";
+      EXPECT_TRUE(same_on_every_rank(got.out)) << where << " out";
+      EXPECT_TRUE(same_on_every_rank(got.lse)) << where << " lse";
+      EXPECT_EQ(sent, decode_send_bytes(s, gcache, c.s_q, 0, me)) << where;
+      EXPECT_EQ(sent, sent_cpu) << where;
+      if (HasFailure()) return;
+    }
   }
 }
 
@@ -257,9 +258,9 @@ INSTANTIATE_TEST_SUITE_P(
                     GpuDecodeCase{MaskKind::window, 1}, GpuDecodeCase{MaskKind::window, 3}),
     [](const testing::TestParamInfo<GpuDecodeCase>& info) { return case_name(info.param); });
 
-// What the GPU decode rejects, before any data moves and on every rank: ring and allgather, a
-// host q or a host cache on a GPU runtime, fp32; and the non-finite check copies device tensors
-// to the host to scan them.
+// What the GPU decode rejects, before any data moves and on every rank: a host q or a host cache
+// on a GPU runtime, fp32; and the non-finite check copies device tensors to the host to scan
+// them.
 TEST_F(GpuDecode, RejectsWhatTheGpuPathDoesNotRun) {
   Runtime& g = gpu();
   const int P = g.cp_size(), me = g.cp_rank();
@@ -275,9 +276,6 @@ TEST_F(GpuDecode, RejectsWhatTheGpuPathDoesNotRun) {
   const Tensor qh = test::random_tensor({kB, 1, kHq, kD}, kDtype, 832);
   const Tensor qd = qh.to_device(dev);
 
-  for (Strategy s : {Strategy::ring, Strategy::allgather})
-    EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qd, gcache, s); },
-                                    {"strategy", strategy_name(s), "not supported yet"}));
   EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qh, gcache, Strategy::tree); },
                                   {"q device", "cpu"}));
   EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qd, hcache, Strategy::tree); },

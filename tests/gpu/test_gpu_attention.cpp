@@ -1,6 +1,7 @@
-// Multi-rank GPU tests (1-2 ranks, one GPU each) of the library on cuda tensors: ring attention
-// through dattn::attention on a GPU Runtime (NCCL cp group, CUDA kernels), against the CPU
-// backend on the same inputs and ranks and against the float64 reference, with exact byte counts.
+// Multi-rank GPU tests (1-2 ranks, one GPU each) of the library on cuda tensors: ring, Ulysses and
+// hybrid attention through dattn::attention on a GPU Runtime (NCCL cp group and its splits, CUDA
+// kernels), against the CPU backend on the same inputs and ranks and against the float64
+// reference, with exact byte counts.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -81,33 +82,41 @@ Layout make_layout(LayoutKind l, int P) {
 // gpu_tolerance): its error is of the order of a bf16 rounding of out; lse comes from fp32 scores.
 const test::Tolerance kGpuTolerance = {1e-2, 1e-2, 1e-4, 1e-4};
 
-struct GpuRingCase {
+struct GpuAttentionCase {
+  Strategy strategy;
   LayoutKind layout;
   MaskKind mask;
 };
-std::string case_name(const GpuRingCase& c) {
-  return std::string(layout_name(c.layout)) + "_" + mask_name(c.mask);
+std::string case_name(const GpuAttentionCase& c) {
+  return std::string(strategy_name(c.strategy)) + "_" + layout_name(c.layout) + "_" +
+         mask_name(c.mask);
 }
-std::ostream& operator<<(std::ostream& os, const GpuRingCase& c) {
+std::ostream& operator<<(std::ostream& os, const GpuAttentionCase& c) {
   return os << case_name(c);
 }
 
 // ---------------------------------------------------------------- the suite
 
-class GpuRing : public testing::TestWithParam<GpuRingCase> {
+class GpuAttention : public testing::TestWithParam<GpuAttentionCase> {
  protected:
   // A GPU runtime and a CPU one over the same ranks, kept for the suite (NCCL setup is slow) and
-  // released before MPI_Finalize.
+  // released before MPI_Finalize. Hybrid groups of 2 where the ranks divide by 2 (ring and
+  // ulysses ignore them); one group per rank otherwise, so that hybrid is the ring.
+  static RuntimeOptions options(Device device) {
+    RuntimeOptions o;
+    o.device = device;
+    o.ulysses = test::world_size() % 2 == 0 ? 2 : 1;
+    return o;
+  }
   static Runtime& gpu() {
-    if (!gpu_) {
-      RuntimeOptions o;
-      o.device = Device::cuda(test::OneGpuPerRank::device());
-      gpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-    }
+    if (!gpu_)
+      gpu_ = std::make_unique<Runtime>(
+          Runtime::from_mpi(MPI_COMM_WORLD, options(Device::cuda(test::OneGpuPerRank::device()))));
     return *gpu_;
   }
   static Runtime& cpu() {
-    if (!cpu_) cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, {}));
+    if (!cpu_)
+      cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, options(Device::cpu())));
     return *cpu_;
   }
   static void TearDownTestSuite() {
@@ -118,10 +127,10 @@ class GpuRing : public testing::TestWithParam<GpuRingCase> {
  private:
   static std::unique_ptr<Runtime> gpu_, cpu_;
 };
-std::unique_ptr<Runtime> GpuRing::gpu_, GpuRing::cpu_;
+std::unique_ptr<Runtime> GpuAttention::gpu_, GpuAttention::cpu_;
 
-TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
-  const GpuRingCase& c = GetParam();
+TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
+  const GpuAttentionCase& c = GetParam();
   Runtime& g = gpu();
   Runtime& h = cpu();
   const int P = g.cp_size(), me = g.cp_rank();
@@ -130,6 +139,10 @@ TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
   const Layout layout = make_layout(c.layout, P);
   const AttnSpec spec = make_spec(c.mask);
   const int64_t Sl = layout.local_len(me);
+  // The Ulysses degree of the strategy (src/attention.cpp, ulysses_degree_of).
+  const int U = c.strategy == Strategy::ring      ? 1
+                : c.strategy == Strategy::ulysses ? P
+                                                  : g.ulysses_degree();
 
   // The same global tensors on every rank; each rank takes its shard on the host, then the GPU.
   const Tensor q = test::random_tensor({kB, kS, kHq, kD}, kDtype, 701);
@@ -141,7 +154,7 @@ TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
   const Tensor qd = qh.to_device(dev), kd = kh.to_device(dev), vd = vh.to_device(dev);
 
   g.reset_counters();
-  const Partial res = attention(g, qd, kd, vd, spec, layout, Strategy::ring);
+  const Partial res = attention(g, qd, kd, vd, spec, layout, c.strategy);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   const ByteCounters counted = g.counters();
   ASSERT_EQ(res.out.device(), dev);
@@ -149,10 +162,11 @@ TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
   const Partial got = to_host(res);
 
   h.reset_counters();
-  const Partial want = attention(h, qh, kh, vh, spec, layout, Strategy::ring);
+  const Partial want = attention(h, qh, kh, vh, spec, layout, c.strategy);
   const ByteCounters counted_cpu = h.counters();
 
   const std::string where = "rank " + std::to_string(me) + " of " + std::to_string(P) + ", " +
+                            strategy_name(c.strategy) + " U " + std::to_string(U) + ", " +
                             layout.str() + ", " + spec.mask.str();
   // Against the float64 reference of the whole sequence.
   const cpu::ReferenceResult ref = cpu::attention_reference(q, k, v, spec);
@@ -167,27 +181,40 @@ TEST_P(GpuRing, MatchesCpuBackendReferenceAndByteModel) {
 
   // Bytes: exactly the model, as on the CPU, and the same as the CPU backend sent.
   const uint64_t sent = counted.bytes("send") + counted.bytes("alltoall");
-  EXPECT_EQ(sent, attention_send_bytes(Strategy::ring, layout, spec, kB, kDtype, 1, me)) << where;
-  EXPECT_EQ(sent, counted_cpu.bytes("send") + counted_cpu.bytes("alltoall")) << where;
-  EXPECT_EQ(counted.bytes("alltoall"), 0u) << where;
+  EXPECT_EQ(sent, attention_send_bytes(c.strategy, layout, spec, kB, kDtype, U, me)) << where;
+  EXPECT_EQ(counted.bytes("send"), counted_cpu.bytes("send")) << where;
+  EXPECT_EQ(counted.bytes("alltoall"), counted_cpu.bytes("alltoall")) << where;
+  if (U == 1) {
+    EXPECT_EQ(counted.bytes("alltoall"), 0u) << where;  // the ring sends blocks only
+  }
+  if (U == P && P > 1) {
+    EXPECT_EQ(counted.bytes("send"), 0u) << where;  // no ring of groups
+  }
 }
 
-std::vector<GpuRingCase> gpu_ring_cases() {
-  std::vector<GpuRingCase> cs;
+// Every layout and mask for the ring; Ulysses and hybrid (whose all-to-alls see the layout only
+// through the shard lengths) on every mask with the zigzag layout and the uneven contiguous one.
+std::vector<GpuAttentionCase> gpu_attention_cases() {
+  std::vector<GpuAttentionCase> cs;
   for (LayoutKind l : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped})
     for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window})
-      cs.push_back({l, m});
+      cs.push_back({Strategy::ring, l, m});
+  for (Strategy s : {Strategy::ulysses, Strategy::hybrid})
+    for (LayoutKind l : {LayoutKind::contiguous, LayoutKind::zigzag})
+      for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window})
+        cs.push_back({s, l, m});
   return cs;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, GpuRing, testing::ValuesIn(gpu_ring_cases()),
-                         [](const testing::TestParamInfo<GpuRingCase>& info) {
+INSTANTIATE_TEST_SUITE_P(Cases, GpuAttention, testing::ValuesIn(gpu_attention_cases()),
+                         [](const testing::TestParamInfo<GpuAttentionCase>& info) {
                            return case_name(info.param);
                          });
 
-// What the GPU path rejects, before any data moves and on every rank: another strategy, host
-// tensors on a GPU runtime, fp32; and the non-finite check copies device tensors to the host.
-TEST_F(GpuRing, RejectsWhatTheGpuPathDoesNotRun) {
+// What the GPU path rejects, before any data moves and on every rank: the backward (no CUDA
+// kernel), host tensors on a GPU runtime, fp32; and the non-finite check copies device tensors to
+// the host.
+TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   Runtime& g = gpu();
   const int P = g.cp_size(), me = g.cp_rank();
   const Layout layout = Layout::contiguous(64 * P, P);
@@ -200,9 +227,10 @@ TEST_F(GpuRing, RejectsWhatTheGpuPathDoesNotRun) {
   const Device dev = g.device();
   const Tensor qd = qh.to_device(dev), kd = kh.to_device(dev), vd = vh.to_device(dev);
 
-  EXPECT_TRUE(
-      test::throws_naming([&] { (void)attention(g, qd, kd, vd, spec, layout, Strategy::ulysses); },
-                          {"strategy", "ulysses", "not supported yet"}));
+  const Partial fwd = attention(g, qd, kd, vd, spec, layout, Strategy::ulysses);
+  EXPECT_TRUE(test::throws_naming(
+      [&] { (void)attention_backward(g, qd, kd, vd, fwd, fwd.out, spec, layout, Strategy::ring); },
+      {"q device", "no CUDA path yet"}));
   EXPECT_TRUE(test::throws_naming(
       [&] { (void)attention(g, qh, kd, vd, spec, layout, Strategy::ring); }, {"q device", "cpu"}));
   const Tensor q32 = qh.to(DType::f32).to_device(dev), k32 = kh.to(DType::f32).to_device(dev),

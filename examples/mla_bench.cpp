@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
 #include "examples/report.h"
 #include "examples/workloads.h"
@@ -146,6 +147,7 @@ std::optional<Options> parse_options(int argc, char** argv) {
   require_option(o.launch.cp == 0 || o.launch.cp == 1, "--cp", o.launch.cp, cat("1: ", why));
   // tp defaults to every rank of the plan: the job's, or --world-size's with --dry-run (resolve
   // rejects --world-size without --dry-run).
+  o.launch.runs_on_cuda = true;  // the head split and TPLA decode run on GPU tensors too
   dattn::resolve_launch_options(o.launch,
                                 o.launch.world_size > 0 ? o.launch.world_size : world_size());
   const int G = o.launch.world;
@@ -412,14 +414,16 @@ struct Row {
 struct Problem {
   const Options* o = nullptr;
   MlaConfig cfg;
-  int64_t pos0 = 0;  // the queries' first position
-  Tensor q_nope, q_pe;
-  int64_t h0 = 0, hn = 0;  // this rank's heads of the reference
+  int64_t pos0 = 0;         // the queries' first position
+  Tensor q_nope, q_pe;      // on the host (the references)
+  Tensor q_nope_d, q_pe_d;  // on the Runtime's device (the decode)
+  int64_t h0 = 0, hn = 0;   // this rank's heads of the reference
 };
 
 // Runs `calls` decode steps of one method over its shard (the first `warmup` untimed; timed
 // steps only when `timed`), counting every call's bytes against the model. Returns the last
-// step's output. `what` names the run in progress lines (rank 0, long runs only).
+// step's output, on the host. `what` names the run in progress lines (rank 0, long runs only).
+// w and shard are on the Runtime's device.
 Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const MlaWeights& w,
                  const dattn::MlaCacheShard& shard, int calls, int warmup, bool timed, Row& row,
                  const std::string& what) {
@@ -434,7 +438,9 @@ Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const M
     rt.reset_counters();
     rt.world().barrier();
     const double t0 = MPI_Wtime();
-    out = dattn::mla_decode(rt, m.parallel, pb.cfg, w, pb.q_nope, pb.q_pe, shard, pb.pos0, m.opt);
+    out =
+        dattn::mla_decode(rt, m.parallel, pb.cfg, w, pb.q_nope_d, pb.q_pe_d, shard, pb.pos0, m.opt);
+    dattn::bench::synchronize(rt.device());  // a GPU step ends when its kernels have run
     const double t = MPI_Wtime() - t0;
     const uint64_t sent = rt.counters().data_bytes();
     if (sent != model) mismatches += 1;
@@ -458,7 +464,7 @@ Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const M
     row.sent_kb = double(allreduce_u64(sent_sum, MPI_MAX)) / double(times.size()) / 1e3;
     row.model_kb = double(allreduce_u64(model, MPI_MAX)) / 1e3;
   }
-  return out;
+  return out.device().is_cpu() ? out : out.to_device(dattn::Device::cpu());
 }
 
 // ================================================================== report
@@ -734,6 +740,9 @@ int mla_bench(int argc, char** argv) {
   pb.q_pe = Tensor::empty({B, Sq, H, dr}, dattn::DType::f32);
   fill(pb.q_nope, kQNope, B, Sq, H, o.qk_nope, pb.pos0);
   fill(pb.q_pe, kQPe, B, Sq, H, dr, pb.pos0);
+  const dattn::Device dev = rt.device();
+  pb.q_nope_d = dattn::bench::on_device(pb.q_nope, dev);
+  pb.q_pe_d = dattn::bench::on_device(pb.q_pe, dev);
   const Tensor q_nope_mine = slice_heads(pb.q_nope, pb.h0, pb.hn);
   const Tensor q_pe_mine = slice_heads(pb.q_pe, pb.h0, pb.hn);
   MlaConfig cfg_mine = cfg;  // this rank's heads, for the references
@@ -807,7 +816,12 @@ int mla_bench(int argc, char** argv) {
       }  // the full transformed cache goes here (a TPLA shard holds copies of its columns)
       row.cache_held_bytes =
           allreduce_u64(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()), MPI_MAX);
-      const Tensor out = run_steps(rt, pb, m, wm, shard, calls, o.warmup, timed, row,
+      const MlaWeights wm_d{dattn::bench::on_device(wm.w_uk, dev),
+                            dattn::bench::on_device(wm.w_uv, dev)};
+      dattn::MlaCacheShard shard_d = shard;
+      shard_d.c_kv = dattn::bench::on_device(shard.c_kv, dev);
+      shard_d.k_pe = dattn::bench::on_device(shard.k_pe, dev);
+      const Tensor out = run_steps(rt, pb, m, wm_d, shard_d, calls, o.warmup, timed, row,
                                    cat("mla ", kind_name(kind), ": ", m.label()));
       compare_exact(out, exact, pb.h0, pb.hn, row.acc[k]);
       if (o.check) compare_f64(out, f64, pb.h0, pb.hn, row.acc[k]);

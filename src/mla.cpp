@@ -1,7 +1,8 @@
-// MLA and TPLA on the CPU: the prefill expansion, the absorbed decode (sgemm over the whole
-// cache per query: scores [H, S], probabilities, z = P C), the latent transforms (fast
-// Walsh-Hadamard; PCA through LAPACK's dsyev) and the distributed decode (head split: allgather
-// of heads; TPLA: per-slice softmax, sum-allreduce of the outputs).
+// MLA and TPLA: the prefill expansion, the absorbed decode (on the CPU sgemm over the whole cache
+// per query: scores [H, S], probabilities, z = P C; on GPU tensors the CUDA kernels of
+// kernels/cuda/mla_decode_cuda.h), the latent transforms (fast Walsh-Hadamard; PCA through
+// LAPACK's dsyev) and the distributed decode (head split: allgather of heads; TPLA: per-slice
+// softmax, sum-allreduce of the outputs), which runs unchanged on host and GPU tensors.
 #include "src/mla.h"
 
 #include <cblas.h>
@@ -12,8 +13,12 @@
 
 #include "kernels/cpu/vec_math.h"
 #include "src/check_finite.h"
+#include "src/device_ops.h"
 #include "src/error.h"
 #include "src/validate.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/mla_decode_cuda.h"
+#endif
 
 extern "C" void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
                        double* w, double* work, const int* lwork, int* info);
@@ -53,7 +58,9 @@ void fill_gaussian(Tensor& t, uint64_t seed, float stddev) {
   }
 }
 
-void check_f32(const Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+// t is fp32 of `shape` (-1: any size) on `device` (the host, but for mla_decode on a GPU Runtime).
+void check_f32(const Tensor& t, const char* name, std::initializer_list<int64_t> shape,
+               const Device& device = Device::cpu()) {
   std::string want = "[";
   for (int64_t s : shape)
     want += (want.size() > 1 ? ", " : "") + std::to_string(s);
@@ -66,6 +73,9 @@ void check_f32(const Tensor& t, const char* name, std::initializer_list<int64_t>
   }
   DATTN_CHECK_ARG(ok, name, t.defined() ? t.shape_str() : std::string("undefined"),
                   want + " (-1: any)");
+  DATTN_CHECK_ARG(t.device() == device, detail::cat(name, " device"), t.device().str(),
+                  device.is_cpu() ? std::string("cpu (this entry point runs on host tensors)")
+                                  : detail::cat(device.str(), " (the Runtime's device)"));
 }
 }  // namespace
 
@@ -140,6 +150,49 @@ struct Slice {
   float mult = 1.f;
 };
 
+// absorbed_decode (below) on GPU tensors: the slice's c [B, S, nlat] and kpe [B, S, nrope] as
+// mla_decode checked them, the band of `mask` (documents are refused in validation), on the
+// legacy default stream like the attention kernels.
+void absorbed_decode_cuda(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                          const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
+                          const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
+                          int64_t out_h0, float* lse) {
+#if DATTN_WITH_CUDA
+  DATTN_ASSERT(c.size(2) == sl.nlat && kpe.size(2) == sl.nrope && !mask.documents);
+  cuda::MlaAbsorbedBlock p;
+  p.q_nope = q_nope.ptr<float>();
+  p.q_pe = q_pe.ptr<float>();
+  p.w_uk = w.w_uk.ptr<float>();
+  p.w_uv = w.w_uv.ptr<float>();
+  p.c_kv = c.ptr<float>();
+  p.k_pe = kpe.ptr<float>();
+  p.batch = q_nope.size(0);
+  p.seq_q = q_nope.size(1);
+  p.seq_kv = c.size(1);
+  p.heads_all = cfg.heads;
+  p.qk_nope = cfg.qk_nope;
+  p.rope_all = cfg.rope;
+  p.latent_all = cfg.latent;
+  p.v_head = cfg.v_head;
+  p.h0 = sl.h0;
+  p.nh = sl.nh;
+  p.lat0 = sl.lat0;
+  p.nlat = sl.nlat;
+  p.rope0 = sl.rope0;
+  p.nrope = sl.nrope;
+  p.q_pos0 = q_pos0;
+  p.scale = cfg.scale() * sl.mult;
+  p.left = mask.left;
+  p.right = mask.right;
+  cuda::mla_absorbed_decode(p, out, out_heads, out_h0, lse, nullptr);
+#else
+  (void)cfg, (void)w, (void)q_pe, (void)c, (void)kpe, (void)q_pos0, (void)mask, (void)sl;
+  (void)out, (void)out_heads, (void)out_h0, (void)lse;
+  DATTN_THROW("invalid q_nope device = ", q_nope.device().str(),
+              ": this build has no CUDA backend");
+#endif
+}
+
 void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
                      const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
                      const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
@@ -152,6 +205,11 @@ void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_
       qp(size_t(sl.nh * std::max<int64_t>(sl.nrope, 1)));
   std::vector<float> sc(size_t(sl.nh * std::max<int64_t>(S, 1))), z(size_t(sl.nh * sl.nlat));
   std::vector<float> m(size_t(sl.nh)), l(size_t(sl.nh));
+  if (!q_nope.device().is_cpu()) {
+    absorbed_decode_cuda(cfg, w, q_nope, q_pe, c, kpe, q_pos0, mask, sl, out, out_heads, out_h0,
+                         lse);
+    return;
+  }
   openblas_set_num_threads(omp_get_max_threads());
   for (int64_t b = 0; b < B; ++b) {
     const float* cb = c.ptr<float>() + b * S * lc;
@@ -209,12 +267,12 @@ void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_
 }
 
 void check_decode_inputs(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
-                         const Tensor& q_pe) {
+                         const Tensor& q_pe, const Device& device = Device::cpu()) {
   cfg.validate();
-  check_f32(q_nope, "q_nope", {-1, -1, cfg.heads, cfg.qk_nope});
-  check_f32(q_pe, "q_pe", {q_nope.size(0), q_nope.size(1), cfg.heads, cfg.rope});
-  check_f32(w.w_uk, "w_uk", {cfg.heads, cfg.qk_nope, cfg.latent});
-  check_f32(w.w_uv, "w_uv", {cfg.heads, cfg.v_head, cfg.latent});
+  check_f32(q_nope, "q_nope", {-1, -1, cfg.heads, cfg.qk_nope}, device);
+  check_f32(q_pe, "q_pe", {q_nope.size(0), q_nope.size(1), cfg.heads, cfg.rope}, device);
+  check_f32(w.w_uk, "w_uk", {cfg.heads, cfg.qk_nope, cfg.latent}, device);
+  check_f32(w.w_uv, "w_uv", {cfg.heads, cfg.v_head, cfg.latent}, device);
 }
 
 }  // namespace
@@ -397,22 +455,35 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
                     int64_t(opt.rope), int64_t(opt.scale_logits_by_g), q_pos0,
                     q_nope.dim() == 4 ? q_nope.size(1) : int64_t(0)})
     h = hash_mix(h, uint64_t(x));
+  const Device dev = rt.device();
   agree_on_validation(comm, "MLA decode step", h, [&] {
     check_parallel(cfg, parallel, opt, G);
-    check_decode_inputs(cfg, w, q_nope, q_pe);
+    check_decode_inputs(cfg, w, q_nope, q_pe, dev);
     const Slice s = parallel == MlaParallel::tpla ? tpla_slice(cfg, opt, g, G)
                                                   : Slice{0, cfg.heads, 0, cfg.latent, 0, cfg.rope};
     DATTN_CHECK_ARG(shard.latent_begin == s.lat0 && shard.latent_len == s.nlat &&
                         shard.c_kv.dim() == 3 && shard.c_kv.size(2) == s.nlat,
                     "cache shard latent", detail::cat(shard.latent_begin, "+", shard.latent_len),
                     detail::cat(s.lat0, "+", s.nlat, " (this rank's slice)"));
-    check_f32(shard.c_kv, "cache c_kv", {q_nope.size(0), -1, s.nlat});
+    check_f32(shard.c_kv, "cache c_kv", {q_nope.size(0), -1, s.nlat}, dev);
     DATTN_CHECK_ARG(
         shard.rope_begin == s.rope0 && shard.rope_len == s.nrope, "cache shard rope",
         detail::cat(shard.rope_begin, "+", shard.rope_len),
         detail::cat(s.rope0, "+", s.nrope, " (this rank's RoPE columns under the ",
                     opt.rope == RopePlacement::split ? "split" : "replicated", " placement)"));
-    check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), s.nrope});
+    check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), s.nrope}, dev);
+    if (!dev.is_cpu()) {  // what the CUDA kernels run (kernels/cuda/mla_decode_cuda.h)
+      DATTN_CHECK_ARG(!mask.documents, "mask", mask.str(),
+                      "a band mask on cuda tensors (the CUDA MLA kernel has no documents)");
+      DATTN_CHECK_ARG(
+          s.nlat <= 1024, "latent", s.nlat,
+          "at most 1024 columns per rank on cuda tensors (the CUDA MLA kernel's limit)");
+      DATTN_CHECK_ARG(s.nrope <= 512, "rope", s.nrope,
+                      "at most 512 columns per rank on cuda tensors (the CUDA MLA kernel's limit)");
+      DATTN_CHECK_ARG(q_nope.size(0) <= 65535 && q_nope.size(1) <= 65535, "q_nope shape",
+                      q_nope.shape_str(), "batch and S_q at most 65535 on cuda tensors");
+      DATTN_CHECK_ARG(cfg.qk_nope <= 8192, "qk_nope", cfg.qk_nope, "at most 8192 on cuda tensors");
+    }
     if (rt.check_finite()) {  // the queries at q_pos0.., the cache's tokens at 0..
       auto query = [&](int64_t row) { return q_pos0 + row; };
       auto token = [](int64_t row) { return row; };
@@ -424,7 +495,7 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
   });
   const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, dv = cfg.v_head;
   if (parallel == MlaParallel::tpla) {
-    Tensor out = Tensor::zeros({B, Sq, H, dv}, DType::f32);
+    Tensor out = Tensor::zeros({B, Sq, H, dv}, DType::f32, dev);
     absorbed_decode(cfg, w, q_nope, q_pe, shard.c_kv, shard.k_pe, q_pos0, mask,
                     tpla_slice(cfg, opt, g, G), out.ptr<float>(), H, 0, nullptr);
     if (G > 1)
@@ -433,18 +504,17 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
   }
   // Head split: my heads, then every rank's heads to every rank.
   const int64_t hg = H / G;
-  Tensor mine = Tensor::zeros({B, Sq, hg, dv}, DType::f32);
+  Tensor mine = Tensor::zeros({B, Sq, hg, dv}, DType::f32, dev);
   absorbed_decode(cfg, w, q_nope, q_pe, shard.c_kv, shard.k_pe, q_pos0, mask,
                   Slice{g * hg, hg, 0, cfg.latent, 0, cfg.rope}, mine.ptr<float>(), hg, 0, nullptr);
   if (G == 1) return mine;
-  std::vector<float> all(size_t(mine.numel()) * size_t(G));
+  const Tensor all = byte_buffer(mine.nbytes() * size_t(G), dev);
   comm.allgather(mine.data(), all.data(), mine.nbytes());
-  Tensor out = Tensor::empty({B, Sq, H, dv}, DType::f32);
+  // Rank r's [B * S_q, hg, dv] block goes to heads r * hg ..: per token, G rows of hg * dv.
+  Tensor out = Tensor::empty({B, Sq, H, dv}, DType::f32, dev);
   for (int r = 0; r < G; ++r)
-    for (int64_t t = 0; t < B * Sq; ++t)
-      std::memcpy(out.ptr<float>() + (t * H + r * hg) * dv,
-                  all.data() + size_t(r) * size_t(mine.numel()) + size_t(t * hg * dv),
-                  size_t(hg * dv) * 4);
+    copy_rows(out.data(), dev, G, r, all.ptr<float>() + size_t(r) * size_t(mine.numel()), dev, 1, 0,
+              B * Sq, 1, size_t(hg * dv) * sizeof(float));
   return out;
 }
 

@@ -1,11 +1,13 @@
 // The absorbed-MLA decode kernel: one CTA per (head, query, batch); each warp runs an online
 // softmax over every 8th visible cache row (lanes split the latent, so cache rows are read
 // coalesced), then the CTA merges its warps' states. Plain fp32 CUDA cores: decode reads the
-// whole cache once per head and is bound by memory, not by FLOPs.
+// whole cache once per head and is bound by memory, not by FLOPs. Around it, the small
+// absorption (W_UK into the query) and projection (W_UV of z) kernels of mla_absorbed_decode.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/mla_decode_cuda.h"
@@ -111,7 +113,131 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (tid == 0) lse[(b * p.heads + h) * p.seq_q + s] = mx + logf(sum);
 }
 
+constexpr int kThreads = 256;  // the absorption and projection kernels: 8 warps
+
+// q~ [batch, seq_q, nh, nlat] = W_UK_h[:, lat0 ..]^T q_nope_h, and the slice's q_pe columns
+// [batch, seq_q, nh, nrope]; one CTA per (head, query, batch). Thread c sums column c of W_UK_h
+// over qk_nope: at each k the CTA reads a contiguous run of the row (coalesced).
+__global__ void __launch_bounds__(kThreads)
+    absorb_query_kernel(const MlaAbsorbedBlock p, float* q_lat, float* q_rope) {
+  extern __shared__ float qn[];  // [qk_nope] this head's q_nope
+  const int tid = int(threadIdx.x);
+  const int64_t i = blockIdx.x, s = blockIdx.y, b = blockIdx.z, h = p.h0 + i;
+  const int64_t src = (b * p.seq_q + s) * p.heads_all + h;  // the row of q_nope and q_pe
+  const int64_t dst = (b * p.seq_q + s) * p.nh + i;         // the row of q_lat and q_rope
+  for (int64_t k = tid; k < p.qk_nope; k += kThreads)
+    qn[k] = p.q_nope[src * p.qk_nope + k];
+  __syncthreads();
+  const float* w = p.w_uk + h * p.qk_nope * p.latent_all + p.lat0;
+  for (int64_t c = tid; c < p.nlat; c += kThreads) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < p.qk_nope; ++k)
+      acc += w[k * p.latent_all + c] * qn[k];
+    q_lat[dst * p.nlat + c] = acc;
+  }
+  for (int64_t r = tid; r < p.nrope; r += kThreads)
+    q_rope[dst * p.nrope + r] = p.q_pe[src * p.rope_all + p.rope0 + r];
+}
+
+// out_h = W_UV_h[:, lat0 ..] z_h for one (head, query, batch): a warp per output column, its lanes
+// over the latent, so that each row of W_UV is read coalesced; z in shared memory.
+__global__ void __launch_bounds__(kThreads)
+    apply_wuv_kernel(const MlaAbsorbedBlock p, const float* z, float* out, int64_t out_heads,
+                     int64_t out_h0) {
+  extern __shared__ float sz[];  // [nlat]
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int64_t i = blockIdx.x, s = blockIdx.y, b = blockIdx.z, h = p.h0 + i;
+  const int64_t row = (b * p.seq_q + s) * p.nh + i;
+  for (int64_t c = tid; c < p.nlat; c += kThreads)
+    sz[c] = z[row * p.nlat + c];
+  __syncthreads();
+  float* o = out + ((b * p.seq_q + s) * out_heads + out_h0 + i) * p.v_head;
+  for (int64_t c = warp; c < p.v_head; c += kThreads / 32) {
+    const float* w = p.w_uv + (h * p.v_head + c) * p.latent_all + p.lat0;
+    float acc = 0.f;
+    for (int64_t k = lane; k < p.nlat; k += 32)
+      acc += w[k] * sz[k];
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2)
+      acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) o[c] = acc;
+  }
+}
+
 }  // namespace
+
+void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_heads, int64_t out_h0,
+                         float* lse, cudaStream_t stream) {
+  // Everything the three launches need, before any allocation (a throw must not leak scratch).
+  DATTN_CHECK_ARG(p.batch >= 0 && p.batch <= 65535, "batch", p.batch, "0 to 65535");
+  DATTN_CHECK_ARG(p.seq_q >= 0 && p.seq_q <= 65535, "seq_q", p.seq_q, "0 to 65535");
+  DATTN_CHECK_ARG(p.seq_kv >= 0, "seq_kv", p.seq_kv, ">= 0");
+  DATTN_CHECK_ARG(p.nh >= 0 && p.nh <= 0x7fffffff, "heads", p.nh, "0 to 2^31 - 1");
+  DATTN_CHECK_ARG(p.h0 >= 0 && p.h0 + p.nh <= p.heads_all, "head slice",
+                  detail::cat(p.h0, "+", p.nh), detail::cat("within ", p.heads_all, " heads"));
+  DATTN_CHECK_ARG(out_h0 >= 0 && out_h0 + p.nh <= out_heads, "out heads",
+                  detail::cat(out_h0, "+", p.nh), detail::cat("within ", out_heads, " heads"));
+  DATTN_CHECK_ARG(p.qk_nope >= 1 && p.qk_nope <= 8192, "qk_nope", p.qk_nope,
+                  "1 to 8192 (the CUDA absorption kernel's shared memory)");
+  DATTN_CHECK_ARG(p.v_head >= 1, "v_head", p.v_head, ">= 1");
+  DATTN_CHECK_ARG(p.nlat >= 1 && p.nlat <= kMaxLatent, "latent", p.nlat,
+                  "1 to 1024 columns per rank (the CUDA MLA decode kernel's limit)");
+  DATTN_CHECK_ARG(p.lat0 >= 0 && p.lat0 + p.nlat <= p.latent_all, "latent slice",
+                  detail::cat(p.lat0, "+", p.nlat), detail::cat("within ", p.latent_all));
+  DATTN_CHECK_ARG(p.nrope >= 0 && p.nrope <= kMaxRope, "rope", p.nrope, "0 to 512 columns");
+  DATTN_CHECK_ARG(p.rope0 >= 0 && p.rope0 + p.nrope <= p.rope_all, "rope slice",
+                  detail::cat(p.rope0, "+", p.nrope), detail::cat("within ", p.rope_all));
+  DATTN_CHECK_ARG(p.left >= -1 && p.right >= -1, "mask", detail::cat(p.left, "/", p.right),
+                  "left and right >= 0 (or -1: unlimited)");
+  DATTN_CHECK_ARG(p.q_pos0 >= 0, "q_pos0", p.q_pos0, ">= 0");
+  DATTN_CHECK_ARG(std::isfinite(p.scale), "scale", p.scale, "a finite value");
+  if (p.batch == 0 || p.seq_q == 0 || p.nh == 0) return;
+  for (auto [ptr, name] : {std::pair{p.q_nope, "q_nope"},
+                           {p.w_uk, "w_uk"},
+                           {p.w_uv, "w_uv"},
+                           {static_cast<const float*>(out), "out"}})
+    DATTN_CHECK_ARG(ptr != nullptr, name, "null", "a device pointer");
+  DATTN_CHECK_ARG(p.nrope == 0 || p.q_pe != nullptr, "q_pe", "null", "a device pointer");
+  DATTN_CHECK_ARG(p.seq_kv == 0 || p.c_kv != nullptr, "c_kv", "null", "a device pointer");
+  DATTN_CHECK_ARG(p.seq_kv == 0 || p.nrope == 0 || p.k_pe != nullptr, "k_pe", "null",
+                  "a device pointer");
+
+  // Scratch: q~ and z [rows, nlat], the q_pe columns [rows, nrope], and lse [rows] if the caller
+  // wants none; stream-ordered, so nothing waits for the device here.
+  const size_t rows = size_t(p.batch * p.seq_q * p.nh);
+  const size_t floats = rows * size_t(2 * p.nlat + p.nrope) + (lse == nullptr ? rows : 0);
+  float* ws = nullptr;
+  DATTN_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), floats * sizeof(float), stream));
+  float* q_lat = ws;
+  float* z = q_lat + rows * size_t(p.nlat);
+  float* q_rope = z + rows * size_t(p.nlat);
+  float* lse_out = lse != nullptr ? lse : q_rope + rows * size_t(p.nrope);
+
+  const dim3 grid(unsigned(p.nh), unsigned(p.seq_q), unsigned(p.batch));
+  absorb_query_kernel<<<grid, kThreads, size_t(p.qk_nope) * sizeof(float), stream>>>(p, q_lat,
+                                                                                     q_rope);
+  DATTN_CUDA_CHECK(cudaGetLastError());
+  MlaDecodeBlock d;
+  d.q_latent = q_lat;
+  d.q_pe = q_rope;
+  d.c_kv = p.c_kv;
+  d.k_pe = p.k_pe;
+  d.batch = p.batch;
+  d.seq_q = p.seq_q;
+  d.seq_kv = p.seq_kv;
+  d.heads = p.nh;
+  d.latent = p.nlat;
+  d.rope = p.nrope;
+  d.q_pos0 = p.q_pos0;
+  d.scale = p.scale;
+  d.left = p.left;
+  d.right = p.right;
+  mla_decode_forward(d, z, lse_out, stream);
+  apply_wuv_kernel<<<grid, kThreads, size_t(p.nlat) * sizeof(float), stream>>>(p, z, out, out_heads,
+                                                                               out_h0);
+  DATTN_CUDA_CHECK(cudaGetLastError());
+  DATTN_CUDA_CHECK(cudaFreeAsync(ws, stream));
+}
 
 void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStream_t stream) {
   DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= 65535, "batch", blk.batch, "0 to 65535");

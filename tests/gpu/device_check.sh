@@ -69,7 +69,8 @@ args+=("${more[@]}")
 if [[ -d $repo/.carry/googletest ]]; then args+=("-DDATTN_GTEST_SOURCE=$repo/.carry/googletest"); fi
 # Only the GPU targets: the CPU suite runs in CI, not here.
 targets=(test_cuda_attention test_cuda_movement test_device_tensor test_nccl test_gpu_attention
-         test_gpu_decode test_gpu_star dattn-cuda-kernel-bench dattn-prefill-bench dattn-decode-bench)
+         test_gpu_decode test_gpu_star test_gpu_mla
+         dattn-cuda-kernel-bench dattn-prefill-bench dattn-decode-bench)
 build_ok=1
 if step configure 90 cmake "${args[@]}"; then
   have=()

@@ -13,4 +13,7 @@ if(DATTN_WITH_NCCL)
   # Star attention's two phases on a GPU Runtime (tests/gpu/test_gpu_star.cpp): against the CPU
   # backend and the star byte models.
   dattn_add_gpu_mpi_test(gpu_star test_gpu_star ${CMAKE_CURRENT_SOURCE_DIR}/test_gpu_star.cpp)
+  # The distributed MLA decode (head split, TPLA) on a GPU Runtime (tests/gpu/test_gpu_mla.cpp):
+  # against the CPU backend and mla_decode_send_bytes.
+  dattn_add_gpu_mpi_test(gpu_mla test_gpu_mla ${CMAKE_CURRENT_SOURCE_DIR}/test_gpu_mla.cpp)
 endif()

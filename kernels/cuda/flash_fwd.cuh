@@ -8,10 +8,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_fwd.h"
+#include "kernels/cuda/launch.h"
 
 namespace dattn::cuda::detail {
 
@@ -24,6 +26,9 @@ namespace dattn::cuda::detail {
 //   B (16x8, col):  reg0 (k = 2t..2t+1, n = g), reg1 (k = 8+2t.., n = g)
 //   C (16x8, f32):  c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1)
 // In every 16-bit pair the lower index sits in the low half of the register.
+// The CPU emulation (tests/emu/cuda_emulation.h) defines mma_16816, ldmatrix_x4[_trans] and the
+// cp.async wrappers from these same definitions instead.
+#ifndef DATTN_CUDA_EMULATION
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -43,20 +48,23 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+#endif  // DATTN_CUDA_EMULATION
+
 // Two floats rounded (nearest even) into one register of two 16-bit values, lo in the low half.
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
+  uint32_t r;  // memcpy, not a pointer cast: the register's bits without breaking aliasing rules
   if constexpr (std::is_same_v<T, __half>) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&h);
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&r, &h, sizeof r);
   } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&h);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&r, &h, sizeof r);
   }
   return r;
 }
 
+#ifndef DATTN_CUDA_EMULATION
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -91,6 +99,7 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+#endif  // DATTN_CUDA_EMULATION
 
 // ---------------------------------------------------------------- positions and the mask
 // The same rules as the CPU kernel (Mask::in_band, Mask::document_of, Mask::cover in src/spec.h).
@@ -208,8 +217,7 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
   constexpr int kKS = kD / 16;      // 16-deep steps of Q K^T
   constexpr float kLn2 = 0.69314718055994531f;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* sQ = reinterpret_cast<uint16_t*>(smem_raw);
+  DATTN_DYNAMIC_SHARED(uint16_t, sQ);
   uint16_t* sK = sQ + kBlockM * kLdQK;      // two buffers of kBlockN x kLdQK
   uint16_t* sV = sK + 2 * kBlockN * kLdQK;  // two buffers of kBlockN x kLdV
 
@@ -476,11 +484,11 @@ void launch_flash_fwd(const FlashParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = flash_smem_bytes<T, kD, kDv>();
   auto kernel = flash_fwd_kernel<T, kD, kDv>;
   // Above 48 KiB of dynamic shared memory a kernel must opt in (per device; cheap to repeat).
-  DATTN_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+  DATTN_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   const int64_t q_tiles = (p.q_len + Tiles::kBlockM - 1) / Tiles::kBlockM;
   const dim3 grid(unsigned(q_tiles), unsigned(p.heads_q), unsigned(p.batch));
-  kernel<<<grid, Tiles::kWarps * 32, kSmem, stream>>>(p);
+  DATTN_LAUNCH(kernel, grid, Tiles::kWarps * 32, kSmem, stream, p);
   DATTN_CUDA_CHECK(cudaGetLastError());
 }
 

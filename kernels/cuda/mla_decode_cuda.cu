@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/mla_decode_cuda.h"
 #include "src/error.h"
 
@@ -24,7 +25,7 @@ constexpr int64_t kMaxRope = 512;
 
 __global__ void __launch_bounds__(kWarps * 32)
     mla_decode_kernel(const MlaDecodeBlock p, float* z, float* lse) {
-  extern __shared__ float smem[];
+  DATTN_DYNAMIC_SHARED(float, smem);
   const int64_t dc = p.latent, dr = p.rope, S = p.seq_kv;
   float* sq = smem;              // [dc] this head's absorbed query
   float* sqp = sq + dc;          // [dr] its RoPE query
@@ -120,7 +121,7 @@ constexpr int kThreads = 256;  // the absorption and projection kernels: 8 warps
 // over qk_nope: at each k the CTA reads a contiguous run of the row (coalesced).
 __global__ void __launch_bounds__(kThreads)
     absorb_query_kernel(const MlaAbsorbedBlock p, float* q_lat, float* q_rope) {
-  extern __shared__ float qn[];  // [qk_nope] this head's q_nope
+  DATTN_DYNAMIC_SHARED(float, qn);  // [qk_nope] this head's q_nope
   const int tid = int(threadIdx.x);
   const int64_t i = blockIdx.x, s = blockIdx.y, b = blockIdx.z, h = p.h0 + i;
   const int64_t src = (b * p.seq_q + s) * p.heads_all + h;  // the row of q_nope and q_pe
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     apply_wuv_kernel(const MlaAbsorbedBlock p, const float* z, float* out, int64_t out_heads,
                      int64_t out_h0) {
-  extern __shared__ float sz[];  // [nlat]
+  DATTN_DYNAMIC_SHARED(float, sz);  // [nlat]
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int64_t i = blockIdx.x, s = blockIdx.y, b = blockIdx.z, h = p.h0 + i;
   const int64_t row = (b * p.seq_q + s) * p.nh + i;
@@ -174,20 +175,24 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_head
   DATTN_CHECK_ARG(p.seq_kv >= 0, "seq_kv", p.seq_kv, ">= 0");
   DATTN_CHECK_ARG(p.nh >= 0 && p.nh <= 0x7fffffff, "heads", p.nh, "0 to 2^31 - 1");
   DATTN_CHECK_ARG(p.h0 >= 0 && p.h0 + p.nh <= p.heads_all, "head slice",
-                  detail::cat(p.h0, "+", p.nh), detail::cat("within ", p.heads_all, " heads"));
+                  dattn::detail::cat(p.h0, "+", p.nh),
+                  dattn::detail::cat("within ", p.heads_all, " heads"));
   DATTN_CHECK_ARG(out_h0 >= 0 && out_h0 + p.nh <= out_heads, "out heads",
-                  detail::cat(out_h0, "+", p.nh), detail::cat("within ", out_heads, " heads"));
+                  dattn::detail::cat(out_h0, "+", p.nh),
+                  dattn::detail::cat("within ", out_heads, " heads"));
   DATTN_CHECK_ARG(p.qk_nope >= 1 && p.qk_nope <= 8192, "qk_nope", p.qk_nope,
                   "1 to 8192 (the CUDA absorption kernel's shared memory)");
   DATTN_CHECK_ARG(p.v_head >= 1, "v_head", p.v_head, ">= 1");
   DATTN_CHECK_ARG(p.nlat >= 1 && p.nlat <= kMaxLatent, "latent", p.nlat,
                   "1 to 1024 columns per rank (the CUDA MLA decode kernel's limit)");
   DATTN_CHECK_ARG(p.lat0 >= 0 && p.lat0 + p.nlat <= p.latent_all, "latent slice",
-                  detail::cat(p.lat0, "+", p.nlat), detail::cat("within ", p.latent_all));
+                  dattn::detail::cat(p.lat0, "+", p.nlat),
+                  dattn::detail::cat("within ", p.latent_all));
   DATTN_CHECK_ARG(p.nrope >= 0 && p.nrope <= kMaxRope, "rope", p.nrope, "0 to 512 columns");
   DATTN_CHECK_ARG(p.rope0 >= 0 && p.rope0 + p.nrope <= p.rope_all, "rope slice",
-                  detail::cat(p.rope0, "+", p.nrope), detail::cat("within ", p.rope_all));
-  DATTN_CHECK_ARG(p.left >= -1 && p.right >= -1, "mask", detail::cat(p.left, "/", p.right),
+                  dattn::detail::cat(p.rope0, "+", p.nrope),
+                  dattn::detail::cat("within ", p.rope_all));
+  DATTN_CHECK_ARG(p.left >= -1 && p.right >= -1, "mask", dattn::detail::cat(p.left, "/", p.right),
                   "left and right >= 0 (or -1: unlimited)");
   DATTN_CHECK_ARG(p.q_pos0 >= 0, "q_pos0", p.q_pos0, ">= 0");
   DATTN_CHECK_ARG(std::isfinite(p.scale), "scale", p.scale, "a finite value");
@@ -214,8 +219,8 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_head
   float* lse_out = lse != nullptr ? lse : q_rope + rows * size_t(p.nrope);
 
   const dim3 grid(unsigned(p.nh), unsigned(p.seq_q), unsigned(p.batch));
-  absorb_query_kernel<<<grid, kThreads, size_t(p.qk_nope) * sizeof(float), stream>>>(p, q_lat,
-                                                                                     q_rope);
+  DATTN_LAUNCH(absorb_query_kernel, grid, kThreads, size_t(p.qk_nope) * sizeof(float), stream, p,
+               q_lat, q_rope);
   DATTN_CUDA_CHECK(cudaGetLastError());
   MlaDecodeBlock d;
   d.q_latent = q_lat;
@@ -233,8 +238,8 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_head
   d.left = p.left;
   d.right = p.right;
   mla_decode_forward(d, z, lse_out, stream);
-  apply_wuv_kernel<<<grid, kThreads, size_t(p.nlat) * sizeof(float), stream>>>(p, z, out, out_heads,
-                                                                               out_h0);
+  DATTN_LAUNCH(apply_wuv_kernel, grid, kThreads, size_t(p.nlat) * sizeof(float), stream, p, z, out,
+               out_heads, out_h0);
   DATTN_CUDA_CHECK(cudaGetLastError());
   DATTN_CUDA_CHECK(cudaFreeAsync(ws, stream));
 }
@@ -262,7 +267,7 @@ void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStr
   // At most (1024 * 9 + 512 + 16) floats = 39 KiB: under the 48 KiB that needs no opt-in.
   const size_t smem = size_t(blk.latent * (1 + kWarps) + blk.rope + 2 * kWarps) * sizeof(float);
   const dim3 grid(unsigned(blk.heads), unsigned(blk.seq_q), unsigned(blk.batch));
-  mla_decode_kernel<<<grid, kWarps * 32, smem, stream>>>(blk, z, lse);
+  DATTN_LAUNCH(mla_decode_kernel, grid, kWarps * 32, smem, stream, blk, z, lse);
   DATTN_CUDA_CHECK(cudaGetLastError());
 }
 

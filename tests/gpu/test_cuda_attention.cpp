@@ -626,6 +626,115 @@ TEST(CudaMlaDecode, MatchesFloat64Reference) {
   }
 }
 
+// The whole absorbed step of one rank's slice (mla_absorbed_decode): q~ = W_UK_h[:, slice]^T
+// q_nope_h and the slice's q_pe columns, then the latent decode, then out = W_UV_h[:, slice] z_h,
+// against the same steps in float64 (mla_reference for the middle one); written at heads out_h0..
+// of a wider output, the other heads untouched.
+TEST(CudaMlaDecode, AbsorbedSliceMatchesFloat64Reference) {
+  struct Slice {
+    int64_t h0, nh, lat0, nlat, rope0, nrope, out_heads, out_h0;
+  };
+  const int64_t B = 2, Sq = 2, S = 90, H = 4, dn = 48, dc = 128, dr = 32, dv = 40;
+  const int64_t q_pos0 = S - Sq;
+  Tensor qn = random_tensor({B, Sq, H, dn}, DType::f32, 31);
+  Tensor qp = random_tensor({B, Sq, H, dr}, DType::f32, 32);
+  Tensor wuk = random_tensor({H, dn, dc}, DType::f32, 33, 0.1f);
+  Tensor wuv = random_tensor({H, dv, dc}, DType::f32, 34, 0.1f);
+  Tensor c_all = random_tensor({B, S, dc}, DType::f32, 35);
+  Tensor kp_all = random_tensor({B, S, dr}, DType::f32, 36);
+  DeviceBuffer d_qn(qn.data(), qn.nbytes()), d_qp(qp.data(), qp.nbytes()),
+      d_wuk(wuk.data(), wuk.nbytes()), d_wuv(wuv.data(), wuv.nbytes());
+  // Head split (2 of 4 heads, every column), TPLA (every head, a latent and RoPE slice), and one
+  // slice with no RoPE columns.
+  for (Slice sl : {Slice{2, 2, 0, dc, 0, dr, 2, 0}, Slice{0, H, 32, 64, 16, 16, H, 0},
+                   Slice{1, 2, 64, 64, 0, 0, 5, 2}}) {
+    SCOPED_TRACE(testing::Message() << "heads " << sl.h0 << "+" << sl.nh << " latent " << sl.lat0
+                                    << "+" << sl.nlat << " rope " << sl.rope0 << "+" << sl.nrope);
+    // The slice's cache columns, as a rank holds them.
+    std::vector<float> c(size_t(B * S * sl.nlat)),
+        kp(size_t(B * S * std::max<int64_t>(sl.nrope, 1)));
+    for (int64_t t = 0; t < B * S; ++t) {
+      for (int64_t a = 0; a < sl.nlat; ++a)
+        c[size_t(t * sl.nlat + a)] = c_all.ptr<float>()[t * dc + sl.lat0 + a];
+      for (int64_t a = 0; a < sl.nrope; ++a)
+        kp[size_t(t * sl.nrope + a)] = kp_all.ptr<float>()[t * dr + sl.rope0 + a];
+    }
+    DeviceBuffer d_c(c.data(), c.size() * 4), d_kp(kp.data(), kp.size() * 4);
+    const size_t n_out = size_t(B * Sq * sl.out_heads * dv), n_lse = size_t(B * sl.nh * Sq);
+    std::vector<float> out(n_out, 7.f);  // heads outside the slice must keep this
+    DeviceBuffer d_out(out.data(), n_out * 4), d_lse(n_lse * 4);
+    const float scale = 1.f / std::sqrt(float(dn + dr));
+    cuda::MlaAbsorbedBlock p;
+    p.q_nope = d_qn.get<float>();
+    p.q_pe = d_qp.get<float>();
+    p.w_uk = d_wuk.get<float>();
+    p.w_uv = d_wuv.get<float>();
+    p.c_kv = d_c.get<float>();
+    p.k_pe = d_kp.get<float>();
+    p.batch = B;
+    p.seq_q = Sq;
+    p.seq_kv = S;
+    p.heads_all = H;
+    p.qk_nope = dn;
+    p.rope_all = dr;
+    p.latent_all = dc;
+    p.v_head = dv;
+    p.h0 = sl.h0;
+    p.nh = sl.nh;
+    p.lat0 = sl.lat0;
+    p.nlat = sl.nlat;
+    p.rope0 = sl.rope0;
+    p.nrope = sl.nrope;
+    p.q_pos0 = q_pos0;
+    p.scale = scale;
+    cuda::mla_absorbed_decode(p, d_out.get<float>(), sl.out_heads, sl.out_h0, d_lse.get<float>(),
+                              nullptr);
+    DATTN_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> lse(n_lse);
+    d_out.download(out.data());
+    d_lse.download(lse.data());
+
+    // float64: the absorbed queries and the slice's q_pe, the latent decode, the projection.
+    const MlaCase m{B, Sq, S, sl.nh, sl.nlat, sl.nrope, q_pos0, -1, 0};
+    std::vector<float> ql(size_t(B * Sq * sl.nh * sl.nlat)),
+        qr(size_t(B * Sq * sl.nh * std::max<int64_t>(sl.nrope, 1)));
+    for (int64_t t = 0; t < B * Sq; ++t)
+      for (int64_t i = 0; i < sl.nh; ++i) {
+        const int64_t h = sl.h0 + i;
+        for (int64_t a = 0; a < sl.nlat; ++a) {
+          double acc = 0;
+          for (int64_t k = 0; k < dn; ++k)
+            acc += double(wuk.ptr<float>()[(h * dn + k) * dc + sl.lat0 + a]) *
+                   qn.ptr<float>()[(t * H + h) * dn + k];
+          ql[size_t((t * sl.nh + i) * sl.nlat + a)] = float(acc);
+        }
+        for (int64_t r = 0; r < sl.nrope; ++r)
+          qr[size_t((t * sl.nh + i) * sl.nrope + r)] =
+              qp.ptr<float>()[(t * H + h) * dr + sl.rope0 + r];
+      }
+    std::vector<double> rz, rl;
+    mla_reference(m, scale, ql.data(), qr.data(), c.data(), kp.data(), rz, rl);
+    for (size_t i = 0; i < n_lse; ++i)
+      ASSERT_NEAR(lse[i], rl[i], 1e-4 * (1 + std::fabs(rl[i]))) << "lse " << i;
+    for (int64_t t = 0; t < B * Sq; ++t)
+      for (int64_t oh = 0; oh < sl.out_heads; ++oh)
+        for (int64_t col = 0; col < dv; ++col) {
+          const float got = out[size_t((t * sl.out_heads + oh) * dv + col)];
+          const int64_t i = oh - sl.out_h0;
+          if (i < 0 || i >= sl.nh) {
+            ASSERT_EQ(got, 7.f) << "head " << oh << " outside the slice was written";
+            continue;
+          }
+          double want = 0;
+          for (int64_t a = 0; a < sl.nlat; ++a)
+            want += double(wuv.ptr<float>()[((sl.h0 + i) * dv + col) * dc + sl.lat0 + a]) *
+                    rz[size_t((t * sl.nh + i) * sl.nlat + a)];
+          ASSERT_NEAR(got, want, 1e-4 + 1e-4 * std::fabs(want))
+              << "token " << t << " head " << oh << " col " << col;
+        }
+  }
+}
+
 TEST(CudaMlaDecode, BadFieldsThrowNamingThem) {
   cuda::MlaDecodeBlock blk;
   blk.batch = 1;

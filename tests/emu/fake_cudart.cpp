@@ -1,0 +1,73 @@
+// The CUDA runtime calls of the emulated kernel tests (tests/emu), on host memory: "device"
+// memory is host memory, copies are memcpy, one device that is always there, and the stream-
+// ordered calls are done at once. Linked instead of libcudart, so that the kernels' own host
+// code (validation, dispatch, scratch allocation) runs unchanged against the emulation.
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+void* allocate(size_t bytes) {
+  return std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+}
+}  // namespace
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  *ptr = allocate(bytes);
+  return *ptr != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t) {
+  return cudaMalloc(ptr, bytes);
+}
+cudaError_t cudaFree(void* ptr) {
+  std::free(ptr);
+  return cudaSuccess;
+}
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) {
+  return cudaFree(ptr);
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+  if (bytes > 0) std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+}
+cudaError_t cudaDeviceSynchronize() {
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  return cudaSuccess;
+}
+cudaError_t cudaGetLastError() {
+  return cudaSuccess;
+}
+cudaError_t cudaPeekAtLastError() {
+  return cudaSuccess;
+}
+cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+const char* cudaGetErrorName(cudaError_t error) {
+  return error == cudaSuccess ? "cudaSuccess" : "cudaError (emulated runtime)";
+}
+const char* cudaGetErrorString(cudaError_t error) {
+  return error == cudaSuccess ? "no error" : "error (emulated runtime)";
+}

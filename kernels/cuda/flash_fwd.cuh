@@ -195,12 +195,50 @@ struct FlashTiles {
   static constexpr int kBlockN = kD <= 128 ? 64 : 32;
 };
 
+// Q, two K and two V buffers; then 16 bytes for the mask of the V tile's non-finite rows, and
+// each warp's P of those rows (16 x kBlockN fp32), for the slow path below. 136 KiB at most
+// (D = 128): one CTA per SM, as the registers allow anyway.
 template <typename T, int kD, int kDv>
 constexpr size_t flash_smem_bytes() {
   using Tiles = FlashTiles<kD>;
   return size_t(Tiles::kBlockM * (kD + 8) + 2 * Tiles::kBlockN * (kD + 8) +
                 2 * Tiles::kBlockN * (kDv + 8)) *
-         sizeof(uint16_t);
+             sizeof(uint16_t) +
+         16 + size_t(Tiles::kWarps * 16 * Tiles::kBlockN) * sizeof(float);
+}
+
+// ---------------------------------------------------------------- non-finite V rows
+// In a partially visible tile a row's P is 0 for the keys its mask hides, and 0 * NaN = NaN: a
+// NaN or inf in such a key's V row would reach rows that never see it. The CPU kernel rules that
+// out (kernels/cpu: add_pv_sanitised), and so does this one, the same way: such V rows are zeroed
+// in shared memory before O += P V, and their exact contribution p * v (v read again from global
+// memory) is added afterwards to the rows whose p is not 0. Only partially visible tiles are
+// scanned (in a wholly visible one every row sees every key, so a NaN is theirs), and the slow
+// path runs only when a row is bad.
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(x);
+  else
+    return __bfloat162float(x);
+}
+
+// Sets bit r of *mask for every row r of the kRows x kCols tile (row stride ld) that holds a
+// NaN or inf (all exponent bits set). Every thread scans its share; the caller synchronises.
+template <typename T, int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void mark_non_finite_rows(const uint16_t* tile, int ld,
+                                                     unsigned long long* mask, int tid) {
+  constexpr uint16_t kExp = std::is_same_v<T, __half> ? 0x7c00 : 0x7f80;
+  constexpr int kChunksPerRow = kCols / 8;
+  for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    bool bad = false;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      bad = bad || (tile[r * ld + col + e] & kExp) == kExp;
+    if (bad) atomicOr(mask, 1ull << r);
+  }
 }
 
 template <typename T, int kD, int kDv>
@@ -220,6 +258,10 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
   DATTN_DYNAMIC_SHARED(uint16_t, sQ);
   uint16_t* sK = sQ + kBlockM * kLdQK;      // two buffers of kBlockN x kLdQK
   uint16_t* sV = sK + 2 * kBlockN * kLdQK;  // two buffers of kBlockN x kLdV
+  // The V tile's non-finite rows (one bit per key row: kBlockN <= 64), 16-byte aligned.
+  unsigned long long* bad_rows = reinterpret_cast<unsigned long long*>(sV + 2 * kBlockN * kLdV);
+  float* p_bad = reinterpret_cast<float*>(bad_rows + 2);  // [kWarps][16][kBlockN]
+  static_assert(kBlockN <= 64, "one bit per key row of a tile");
 
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int g = lane >> 2, tq = lane & 3;   // MMA group and thread-in-group
@@ -297,6 +339,8 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
   int buf = 0;
   [[maybe_unused]] bool first = true;
   while (t < n_tiles) {
+    // Cleared for this tile: every thread read the last tile's mask before the trailing barrier.
+    if (tid == 0) *bad_rows = 0;
     int next_how = kCoverNone;
     const int64_t tn = next_visible(t + 1, &next_how);
     // Prefetch the next visible tile into the other buffer (freed by the trailing barrier of
@@ -319,7 +363,24 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
     }
     first = false;
     const uint16_t* k_s = sK + buf * kBlockN * kLdQK;
-    const uint16_t* v_s = sV + buf * kBlockN * kLdV;
+    uint16_t* v_s = sV + buf * kBlockN * kLdV;
+    // Partially visible tile: V rows holding NaN or inf are zeroed here (see above).
+    unsigned long long bad = 0;
+    if (how != kCoverAll) {
+      mark_non_finite_rows<T, kBlockN, kDv, kThreads>(v_s, kLdV, bad_rows, tid);
+      __syncthreads();
+      bad = *bad_rows;  // the same in every thread: the branch below is uniform
+      if (bad != 0) {
+        for (int c = tid; c < kBlockN * (kDv / 8); c += kThreads) {
+          const int r = c / (kDv / 8), col = (c % (kDv / 8)) * 8;
+          if ((bad >> r) & 1)
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              v_s[r * kLdV + col + e] = 0;
+        }
+        __syncthreads();
+      }
+    }
 
     // S = Q K^T for the warp's 16 rows x kBlockN keys (fp32 accumulators).
     float s[kNT][4];
@@ -402,11 +463,47 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
       }
     }
 
+    if (bad != 0) {
+      // The zeroed rows' own contributions, p * v, to this lane's rows g and g + 8 where p != 0.
+      // Every lane puts its p of the bad keys in the warp's shared rows (register indices known
+      // at compile time: a run-time index would put s in local memory for the whole kernel),
+      // then adds p * v (v from global memory) to its own columns, one bad key at a time.
+      float* p_w = p_bad + warp * 16 * kBlockN;  // this warp's 16 rows x kBlockN keys
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = nt * 8 + tq * 2 + e;
+          if ((bad >> j) & 1) {
+            p_w[g * kBlockN + j] = s[nt][e];
+            p_w[(g + 8) * kBlockN + j] = s[nt][2 + e];
+          }
+        }
+      __syncwarp();
+      const T* v_glob = static_cast<const T*>(p.v) +
+                        ((b * p.seq_k + p.k_begin + t * kBlockN) * p.heads_kv + hk) * p.head_dim_v;
+      for (int j = 0; j < kBlockN; ++j) {
+        if (!((bad >> j) & 1)) continue;
+        const float p0 = p_w[g * kBlockN + j], p1 = p_w[(g + 8) * kBlockN + j];
+        if (p0 == 0.f && p1 == 0.f) continue;
+        const T* vrow = v_glob + int64_t(j) * p.heads_kv * p.head_dim_v;
+#pragma unroll
+        for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = ot * 8 + tq * 2 + c;
+            if (col >= p.head_dim_v) continue;
+            const float v = to_float(vrow[col]);
+            if (p0 != 0.f) o[ot][c] += p0 * v;
+            if (p1 != 0.f) o[ot][2 + c] += p1 * v;
+          }
+      }
+    }
+
     // O += P V. The accumulators of key tiles 2kk and 2kk+1 are, element for element, the A
-    // fragment of the 16 keys kk*16 .. +15 (see the layouts above). Unlike the CPU kernel
-    // (add_pv_sanitised), a NaN or inf in a V row that the mask hides inside a partially visible
-    // tile still reaches the tile's rows (0 * inf = NaN); hidden K rows cannot (their scores are
-    // overwritten with -inf above), and rows past k_len are zero-filled.
+    // fragment of the 16 keys kk*16 .. +15 (see the layouts above). Hidden K rows cannot bring a
+    // NaN (their scores are overwritten with -inf above), hidden non-finite V rows were zeroed
+    // above, and rows past k_len are zero-filled.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t a[4];

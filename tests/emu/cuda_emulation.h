@@ -264,6 +264,21 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   std::memcpy(&r, &slots[(::dattn::emu::thread_rank() % 32) ^ lane_mask][0], 4);
   return r;
 }
+// shfl.sync.idx: the value of lane src_lane. Full warps only, as used.
+inline float __shfl_sync(unsigned, float v, int src_lane) {
+  uint32_t w;
+  std::memcpy(&w, &v, 4);
+  const auto slots = ::dattn::emu::exchange(&w, 1);
+  float r;
+  std::memcpy(&r, &slots[src_lane & 31][0], 4);
+  return r;
+}
+// Fibers never run at the same time: a read-modify-write is atomic.
+inline unsigned long long atomicOr(unsigned long long* address, unsigned long long value) {
+  const unsigned long long old = *address;
+  *address = old | value;
+  return old;
+}
 // The device-side min and max of 64-bit integers the kernels call unqualified.
 inline int64_t min(int64_t a, int64_t b) {
   return a < b ? a : b;

@@ -526,6 +526,53 @@ TEST(CudaKernelValidation, BadFieldsThrowNamingThem) {
     ASSERT_EQ(l, -INFINITY);
 }
 
+// ---------------------------------------------------------------- non-finite inputs
+
+// NaN and inf in K and V where the mask hides them from a row never reach that row: it comes out
+// bit for bit as with clean inputs (the CPU kernel's rule, kernels/cpu: add_pv_sanitised), also
+// inside a partially visible tile, where the row's P is 0 for the bad key and 0 * NaN would be
+// NaN. Rows that see a bad key get non-finite values. Causal, so row i sees keys 0 .. i.
+TEST(CudaKernelNonFinite, HiddenGarbageReachesOnlyTheRowsThatSeeIt) {
+  const int64_t first_bad = 97;
+  for (DType dt : {DType::bf16, DType::f16})
+    for (GpuCase c : {GpuCase{"D64", 2, 150, 150, 2, 1, 64, 0, MaskKind::causal},
+                      GpuCase{"D128_gqa2", 1, 200, 200, 4, 2, 128, 0, MaskKind::causal},
+                      GpuCase{"D192_Dv128", 1, 150, 150, 2, 1, 192, 128, MaskKind::causal}}) {
+      SCOPED_TRACE(testing::Message() << c.name << " " << dtype_name(dt));
+      const Problem clean = make_problem(c, dt, 5);
+      Problem dirty = clean;
+      dirty.k = clean.k.to(dt);  // copies
+      dirty.v = clean.v.to(dt);
+      const int64_t Hkv = c.Hkv, D = c.D, Dv = clean.spec.dim_v();
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          for (int64_t d = 0; d < Dv; ++d)  // a whole V row NaN, one inf, a NaN in K
+            dirty.v.set(((b * c.Sk + first_bad) * Hkv + h) * Dv + d, NAN);
+          dirty.v.set(((b * c.Sk + first_bad + 1) * Hkv + h) * Dv + 3, INFINITY);
+          dirty.k.set(((b * c.Sk + first_bad + 33) * Hkv + h) * D + 5, NAN);
+        }
+      GpuProblem g_clean(clean), g_dirty(dirty);
+      g_clean.forward(g_clean.block());
+      g_dirty.forward(g_dirty.block());
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.Hq; ++h)
+          for (int64_t i = 0; i < c.Sq; ++i) {
+            const size_t o = size_t(((b * c.Sq + i) * c.Hq + h) * Dv);
+            const size_t l = size_t((b * c.Hq + h) * c.Sq + i);
+            if (i < first_bad) {
+              ASSERT_EQ(std::memcmp(&g_clean.h_out[o], &g_dirty.h_out[o], size_t(Dv) * 4), 0)
+                  << "row " << i << " head " << h << " does not see the bad keys";
+              ASSERT_EQ(std::memcmp(&g_clean.h_lse[l], &g_dirty.h_lse[l], 4), 0) << "row " << i;
+            } else {
+              bool any = false;
+              for (int64_t d = 0; d < Dv; ++d)
+                any = any || !std::isfinite(g_dirty.h_out[o + size_t(d)]);
+              ASSERT_TRUE(any) << "row " << i << " head " << h << " sees a NaN value row";
+            }
+          }
+    }
+}
+
 // ---------------------------------------------------------------- MLA decode
 
 struct MlaCase {

@@ -25,7 +25,7 @@ namespace {
 // where the build has no CUDA backend with NCCL, or CUDA does not see that device.
 void select_device(const Device& device) {
   if (device.is_cpu()) return;
-#if DATTN_WITH_CUDA && DATTN_WITH_NCCL
+#if DATTN_WITH_CUDA && (DATTN_WITH_NCCL || DATTN_CUDA_EMULATION)
   check_device(device);
   DATTN_CUDA_CHECK(cudaSetDevice(device.index));
 #else
@@ -40,7 +40,13 @@ void select_device(const Device& device) {
 std::unique_ptr<Communicator> cp_communicator(Communicator& cp, const Device& device,
                                               double timeout_s) {
   if (device.is_cpu()) return nullptr;  // the caller keeps the MPI one
-#if DATTN_WITH_NCCL
+#if DATTN_CUDA_EMULATION
+  // The CPU emulation of CUDA (tests/emu): its "device" memory is host memory, which the MPI
+  // communicator moves as it is.
+  (void)cp;
+  (void)timeout_s;
+  return nullptr;
+#elif DATTN_WITH_NCCL
   return NcclCommunicator::from_mpi(static_cast<MpiCommunicator&>(cp).comm(), timeout_s);
 #else
   (void)cp;

@@ -1,13 +1,17 @@
-// The CUDA runtime calls of the emulated kernel tests (tests/emu), on host memory: "device"
-// memory is host memory, copies are memcpy, one device that is always there, and the stream-
-// ordered calls are done at once. Linked instead of libcudart, so that the kernels' own host
-// code (validation, dispatch, scratch allocation) runs unchanged against the emulation.
+// The CUDA runtime calls of the emulated tests (tests/emu), on host memory: "device" memory is
+// host memory, copies are memcpy, eight devices that are always there (one per rank of the
+// multi-rank tests, as on a GPU node), and the stream-ordered calls are done at once. Linked
+// instead of libcudart, so that the kernels' own host code (validation, dispatch, scratch
+// allocation) runs unchanged against the emulation.
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
 #include <cstring>
 
 namespace {
+constexpr int kDevices = 8;
+int current_device = 0;
+
 void* allocate(size_t bytes) {
   return std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
 }
@@ -35,20 +39,29 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t) {
   return cudaMemcpy(dst, src, bytes, kind);
 }
+cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                         size_t height, cudaMemcpyKind) {
+  for (size_t r = 0; r < height; ++r)
+    std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch,
+                 width);
+  return cudaSuccess;
+}
 cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   if (bytes > 0) std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = kDevices;
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = current_device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
-  return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+  if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
+  current_device = device;
+  return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
   return cudaSuccess;

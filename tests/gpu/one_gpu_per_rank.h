@@ -18,6 +18,14 @@
 
 namespace dattn::test {
 
+// The cp group's backend on a GPU Runtime: NCCL; on the CPU emulation of CUDA (tests/emu), whose
+// "device" memory is host memory, the MPI communicator.
+#if DATTN_CUDA_EMULATION
+inline constexpr const char* kGpuBackend = "mpi";
+#else
+inline constexpr const char* kGpuBackend = "nccl";
+#endif
+
 class OneGpuPerRank : public testing::Environment {
  public:
   // skip_check: when it returns true the check is not made (a test mode that runs without GPUs).

@@ -135,7 +135,7 @@ TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
   Runtime& h = cpu();
   const int P = g.cp_size(), me = g.cp_rank();
   ASSERT_EQ(g.device(), Device::cuda(test::OneGpuPerRank::device()));
-  ASSERT_EQ(g.cp().backend(), "nccl");
+  ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const Layout layout = make_layout(c.layout, P);
   const AttnSpec spec = make_spec(c.mask);
   const int64_t Sl = layout.local_len(me);

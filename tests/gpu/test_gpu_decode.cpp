@@ -172,7 +172,7 @@ TEST_P(GpuDecode, MatchesCpuBackendReferenceAndByteModel) {
   const int P = g.cp_size(), me = g.cp_rank();
   const Device dev = g.device();
   ASSERT_EQ(dev, Device::cuda(test::OneGpuPerRank::device()));
-  ASSERT_EQ(g.cp().backend(), "nccl");
+  ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const AttnSpec spec = make_spec(c.mask);
   const int64_t steps = 3, total = kS0 + steps * c.s_q;
   const Context ctx(total, 811);

@@ -86,7 +86,7 @@ TEST_F(GpuMla, DecodeMatchesCpuBackendAndByteModel) {
   Runtime& g = gpu();
   Runtime& h = cpu();
   const int P = g.cp_size(), me = g.cp_rank();
-  ASSERT_EQ(g.cp().backend(), "nccl");
+  ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const Device dev = g.device();
   const MlaConfig cfg = make_config();
   const MlaWeights w = MlaWeights::random(cfg, 5);

@@ -77,7 +77,7 @@ TEST_F(GpuStar, PrefillMatchesCpuBackendAndByteModel) {
   Runtime& g = gpu();
   Runtime& h = cpu();
   const int P = g.cp_size(), me = g.cp_rank();
-  ASSERT_EQ(g.cp().backend(), "nccl");
+  ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const Device dev = g.device();
   const AttnSpec spec = make_spec();
   const Layout layout = Layout::blocks(kS0, P, kBlock);

@@ -1,0 +1,40 @@
+// movement::cuda (kernels/movement/movement.h) for the CPU emulation of CUDA (tests/emu): its
+// "device" memory is host memory, so each function is movement::host's, the stream ignored (the
+// emulation completes everything at once). Thrust's CUDA backend itself needs a GPU.
+#include "kernels/movement/movement.h"
+
+namespace dattn::movement::cuda {
+
+void gather_rows(void* dst, const void* src, const int64_t* idx, int64_t n, size_t row_bytes,
+                 void*) {
+  host::gather_rows(dst, src, idx, n, row_bytes);
+}
+void scatter_rows(void* dst, const void* src, const int64_t* idx, int64_t n, size_t row_bytes,
+                  void*) {
+  host::scatter_rows(dst, src, idx, n, row_bytes);
+}
+void pack_rows(void* buf, const void* src, int64_t outer, int64_t inner, size_t outer_stride,
+               size_t inner_stride, size_t row_bytes, void*) {
+  host::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes);
+}
+void unpack_rows(void* dst, const void* buf, int64_t outer, int64_t inner, size_t outer_stride,
+                 size_t inner_stride, size_t row_bytes, void*) {
+  host::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes);
+}
+void merge_partials(float* out_a, float* lse_a, const float* out_b, const float* lse_b,
+                    int64_t batch, int64_t seq, int64_t heads, int64_t dv, void*) {
+  host::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv);
+}
+void clear_partial(float* out, int64_t out_n, float* lse, int64_t lse_n, void*) {
+  host::clear_partial(out, out_n, lse, lse_n);
+}
+void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
+                   int64_t seq, int64_t heads, int64_t dv, void*) {
+  host::weigh_partial(packed, out, lse, m, batch, seq, heads, dv);
+}
+void unweigh_partial(float* out, float* lse, const float* packed, const float* m, int64_t batch,
+                     int64_t seq, int64_t heads, int64_t dv, void*) {
+  host::unweigh_partial(out, lse, packed, m, batch, seq, heads, dv);
+}
+
+}  // namespace dattn::movement::cuda

@@ -59,6 +59,12 @@ say "nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not
 say "cmake: $(cmake --version | head -n 1)"
 say "mpi: $(command -v mpiexec >/dev/null && mpiexec --version 2>&1 | head -n 1 || echo 'absent (core-only build)')"
 python=$(command -v python3 || true)
+# Where an MPI and NCCL could come from on a bare image (for the multi-rank GPU tests, which need
+# the MPI build): mpi4py's compiler wrapper, the linker's cache, the NCCL wheel.
+say "probe: mpi4py mpicc: $("$python" -c 'import mpi4py; print(mpi4py.get_config().get("mpicc"))' \
+  2>/dev/null || echo none); libmpi in ld cache: $(ldconfig -p 2>/dev/null | grep -c 'libmpi\.so');\
+ nccl wheel: $("$python" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' \
+  2>/dev/null || echo none)"
 
 # ---------------------------------------------------------------- configure and build
 args=(-S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release

@@ -21,6 +21,7 @@
 #include "src/models.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
+#include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -99,35 +100,17 @@ std::ostream& operator<<(std::ostream& os, const GpuAttentionCase& c) {
 
 class GpuAttention : public testing::TestWithParam<GpuAttentionCase> {
  protected:
-  // A GPU runtime and a CPU one over the same ranks, kept for the suite (NCCL setup is slow) and
-  // released before MPI_Finalize. Hybrid groups of 2 where the ranks divide by 2 (ring and
-  // ulysses ignore them); one group per rank otherwise, so that hybrid is the ring.
-  static RuntimeOptions options(Device device) {
-    RuntimeOptions o;
-    o.device = device;
+  // A GPU runtime and a CPU one over the same ranks (tests/gpu/suite_runtimes.h). Hybrid groups
+  // of 2 where the ranks divide by 2 (ring and ulysses ignore them); one group per rank
+  // otherwise, so that hybrid is the ring.
+  static RuntimeOptions with_groups(RuntimeOptions o = {}) {
     o.ulysses = test::world_size() % 2 == 0 ? 2 : 1;
     return o;
   }
-  static Runtime& gpu() {
-    if (!gpu_)
-      gpu_ = std::make_unique<Runtime>(
-          Runtime::from_mpi(MPI_COMM_WORLD, options(Device::cuda(test::OneGpuPerRank::device()))));
-    return *gpu_;
-  }
-  static Runtime& cpu() {
-    if (!cpu_)
-      cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, options(Device::cpu())));
-    return *cpu_;
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    cpu_.reset();
-  }
-
- private:
-  static std::unique_ptr<Runtime> gpu_, cpu_;
+  static Runtime& gpu() { return test::suite_runtime("gpu", test::on_gpu(with_groups())); }
+  static Runtime& cpu() { return test::suite_runtime("cpu", with_groups()); }
+  static void TearDownTestSuite() { test::release_suite_runtimes(); }
 };
-std::unique_ptr<Runtime> GpuAttention::gpu_, GpuAttention::cpu_;
 
 TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
   const GpuAttentionCase& c = GetParam();

@@ -20,6 +20,7 @@
 #include "src/error.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
+#include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -131,36 +132,17 @@ testing::AssertionResult same_on_every_rank(const Tensor& host) {
 
 class GpuDecode : public testing::TestWithParam<GpuDecodeCase> {
  protected:
-  // GPU runtimes (flat, and with declared nodes of one rank) and a CPU one over the same ranks,
-  // kept for the suite (NCCL setup is slow) and released before MPI_Finalize.
-  static Runtime& gpu() {
-    if (!gpu_) gpu_ = make_gpu(0);
-    return *gpu_;
-  }
+  // GPU runtimes (flat, and with declared nodes of one rank) and a CPU one over the same ranks
+  // (tests/gpu/suite_runtimes.h).
+  static Runtime& gpu() { return test::suite_runtime("gpu", test::on_gpu()); }
   static Runtime& gpu_nodes() {
-    if (!gpu_nodes_) gpu_nodes_ = make_gpu(1);
-    return *gpu_nodes_;
-  }
-  static Runtime& cpu() {
-    if (!cpu_) cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, {}));
-    return *cpu_;
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    gpu_nodes_.reset();
-    cpu_.reset();
-  }
-
- private:
-  static std::unique_ptr<Runtime> make_gpu(int node_size) {
     RuntimeOptions o;
-    o.device = Device::cuda(test::OneGpuPerRank::device());
-    o.node_size = node_size;
-    return std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
+    o.node_size = 1;
+    return test::suite_runtime("gpu nodes", test::on_gpu(o));
   }
-  static std::unique_ptr<Runtime> gpu_, gpu_nodes_, cpu_;
+  static Runtime& cpu() { return test::suite_runtime("cpu", {}); }
+  static void TearDownTestSuite() { test::release_suite_runtimes(); }
 };
-std::unique_ptr<Runtime> GpuDecode::gpu_, GpuDecode::gpu_nodes_, GpuDecode::cpu_;
 
 // A zigzag-prefilled cache (device shards), then steps that append S_q host tokens and decode
 // them with every strategy on the GPU and on the CPU backend: out and lse against both, the same

@@ -15,6 +15,7 @@
 #include "src/error.h"
 #include "src/mla.h"
 #include "tests/gpu/one_gpu_per_rank.h"
+#include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -56,31 +57,13 @@ MlaCacheShard on_device(const MlaCacheShard& s, Device dev) {
   return d;
 }
 
+// A GPU runtime and a CPU one over the same ranks (tests/gpu/suite_runtimes.h).
 class GpuMla : public testing::Test {
  protected:
-  // A GPU runtime and a CPU one over the same ranks, kept for the suite (NCCL setup is slow) and
-  // released before MPI_Finalize.
-  static Runtime& gpu() {
-    if (!gpu_) {
-      RuntimeOptions o;
-      o.device = Device::cuda(test::OneGpuPerRank::device());
-      gpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-    }
-    return *gpu_;
-  }
-  static Runtime& cpu() {
-    if (!cpu_) cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, {}));
-    return *cpu_;
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    cpu_.reset();
-  }
-
- private:
-  static std::unique_ptr<Runtime> gpu_, cpu_;
+  static Runtime& gpu() { return test::suite_runtime("gpu", test::on_gpu()); }
+  static Runtime& cpu() { return test::suite_runtime("cpu", {}); }
+  static void TearDownTestSuite() { test::release_suite_runtimes(); }
 };
-std::unique_ptr<Runtime> GpuMla::gpu_, GpuMla::cpu_;
 
 TEST_F(GpuMla, DecodeMatchesCpuBackendAndByteModel) {
   Runtime& g = gpu();

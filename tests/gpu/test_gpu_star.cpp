@@ -16,6 +16,7 @@
 #include "src/star.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
+#include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -45,31 +46,13 @@ AttnSpec make_spec() {
 // As tests/gpu/test_gpu_attention.cpp: the order of a bf16 rounding of out, fp32 lse.
 const test::Tolerance kGpuTolerance = {1e-2, 1e-2, 1e-4, 1e-4};
 
-// A GPU runtime and a CPU one over the same ranks, kept for the suite (NCCL setup is slow) and
-// released before MPI_Finalize.
+// A GPU runtime and a CPU one over the same ranks (tests/gpu/suite_runtimes.h).
 class GpuStar : public testing::Test {
  protected:
-  static Runtime& gpu() {
-    if (!gpu_) {
-      RuntimeOptions o;
-      o.device = Device::cuda(test::OneGpuPerRank::device());
-      gpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-    }
-    return *gpu_;
-  }
-  static Runtime& cpu() {
-    if (!cpu_) cpu_ = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, {}));
-    return *cpu_;
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    cpu_.reset();
-  }
-
- private:
-  static std::unique_ptr<Runtime> gpu_, cpu_;
+  static Runtime& gpu() { return test::suite_runtime("gpu", test::on_gpu()); }
+  static Runtime& cpu() { return test::suite_runtime("cpu", {}); }
+  static void TearDownTestSuite() { test::release_suite_runtimes(); }
 };
-std::unique_ptr<Runtime> GpuStar::gpu_, GpuStar::cpu_;
 
 // Phase 1 with the default anchor (a block), a short one and none: out and lse against the CPU
 // backend, and the anchor broadcast's bytes against the model on both.

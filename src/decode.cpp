@@ -202,8 +202,9 @@ Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs
   weigh_partial(dev, packed.ptr<float>(), out, lse, m.ptr<float>(), B, Sq, H, Dv);
   allreduce_f32(rt, packed.ptr<float>(), packed_n, ReduceOp::sum);
   unweigh_partial(dev, out, lse, packed.ptr<float>(), m.ptr<float>(), B, Sq, H, Dv);
-  // m and packed are freed on return while a GPU's unweigh may still be queued: cudaFree waits
-  // for the device's queued work first (the ring's receive buffers rely on the same).
+  // m and packed are freed on return while a GPU's unweigh may still be queued: device memory is
+  // freed in the order of the default stream, after that work (src/tensor.h; the ring's receive
+  // buffers rely on the same).
   return res;
 }
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <sstream>
 
 #include "src/error.h"
@@ -49,6 +51,19 @@ class DeviceScope {
  private:
   int previous_ = 0;
 };
+
+// Whether `device` has CUDA's stream-ordered memory pools (cudaMallocAsync); asked once per
+// device. Without them, allocations fall back to cudaMalloc/cudaFree.
+bool memory_pools(int device) {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int supported = 0;
+  DATTN_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+  return known[device] = supported != 0;
+}
 #endif
 
 // Throws unless the tensor lives in host memory (element access and host-side copies).
@@ -88,10 +103,26 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
 #if DATTN_WITH_CUDA
     DeviceScope scope(device.index);
     void* p = nullptr;
-    // cudaMalloc returns memory aligned to at least 256 bytes; never 0 bytes (a null pointer
-    // would read as "no storage").
-    DATTN_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(256, t.nbytes())));
-    t.storage_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+    // Never 0 bytes (a null pointer would read as "no storage"); at least 256-byte aligned.
+    const size_t bytes = std::max<size_t>(256, t.nbytes());
+    if (memory_pools(device.index)) {
+      // Stream-ordered on the legacy default stream, where the kernels and copies run: no device
+      // synchronisation per allocation and free (cudaFree waits for the whole device), and the
+      // pool reuses memory from call to call. The library's NCCL calls are complete before a
+      // buffer they used is released (see src/tensor.h for what that asks of the caller).
+      DATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamLegacy));
+      t.storage_ = std::shared_ptr<void>(p, [index = device.index](void* q) {
+        // Never throws (a deleter): errors at exit, after CUDA's teardown, are ignored.
+        int previous = index;
+        cudaGetDevice(&previous);
+        if (previous != index) cudaSetDevice(index);
+        cudaFreeAsync(q, cudaStreamLegacy);
+        if (previous != index) cudaSetDevice(previous);
+      });
+    } else {
+      DATTN_CUDA_CHECK(cudaMalloc(&p, bytes));
+      t.storage_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+    }
     t.data_ = p;
     return t;
 #endif

@@ -115,8 +115,8 @@ void exchange(Device dev, Communicator& group, const std::vector<Part>& parts, i
     for (const Part& p : parts)
       off += copy_share(dev, p, static_cast<char*>(p.dst), !to_heads, j, U, B, Sl, m,
                         recv_buf + off, false);
-  // send and recv are freed on return while a GPU's unpacking may still be queued: cudaFree
-  // waits for the device's queued work first.
+  // send and recv are freed on return while a GPU's unpacking may still be queued: device memory
+  // is freed in the order of the default stream, after that work (src/tensor.h).
 }
 
 Members members_of(const Communicator& group, const Layout& layout, int cp_rank) {

@@ -63,6 +63,11 @@ cudaError_t cudaSetDevice(int device) {
   current_device = device;
   return cudaSuccess;
 }
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
+  *value = attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceSynchronize() {
   return cudaSuccess;
 }

@@ -50,6 +50,19 @@ testing::AssertionResult close(const Tensor& got, const Tensor& want) {
   return testing::AssertionSuccess();
 }
 
+// The weights (on the host and on the GPU) and the whole cache, the same on every rank.
+struct Inputs {
+  MlaConfig cfg = make_config();
+  MlaWeights w, wd;
+  Tensor c_kv, k_pe;
+  explicit Inputs(Device dev) {
+    w = MlaWeights::random(cfg, 5);
+    wd = {w.w_uk.to_device(dev), w.w_uv.to_device(dev)};
+    c_kv = test::random_tensor({kB, kS, cfg.latent}, DType::f32, 6);
+    k_pe = test::random_tensor({kB, kS, cfg.rope}, DType::f32, 7);
+  }
+};
+
 MlaCacheShard on_device(const MlaCacheShard& s, Device dev) {
   MlaCacheShard d = s;
   d.c_kv = s.c_kv.to_device(dev);
@@ -71,11 +84,10 @@ TEST_F(GpuMla, DecodeMatchesCpuBackendAndByteModel) {
   const int P = g.cp_size(), me = g.cp_rank();
   ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const Device dev = g.device();
-  const MlaConfig cfg = make_config();
-  const MlaWeights w = MlaWeights::random(cfg, 5);
-  const MlaWeights wd{w.w_uk.to_device(dev), w.w_uv.to_device(dev)};
-  const Tensor c_kv = test::random_tensor({kB, kS, cfg.latent}, DType::f32, 6);
-  const Tensor k_pe = test::random_tensor({kB, kS, cfg.rope}, DType::f32, 7);
+  const Inputs in(dev);
+  const MlaConfig& cfg = in.cfg;
+  const MlaWeights &w = in.w, &wd = in.wd;
+  const Tensor &c_kv = in.c_kv, &k_pe = in.k_pe;
 
   struct Case {
     MlaParallel parallel;
@@ -122,11 +134,10 @@ TEST_F(GpuMla, RejectsHostTensorsAndDocuments) {
   Runtime& g = gpu();
   const int P = g.cp_size(), me = g.cp_rank();
   const Device dev = g.device();
-  const MlaConfig cfg = make_config();
-  const MlaWeights w = MlaWeights::random(cfg, 5);
-  const MlaWeights wd{w.w_uk.to_device(dev), w.w_uv.to_device(dev)};
-  const Tensor c_kv = test::random_tensor({kB, kS, cfg.latent}, DType::f32, 6);
-  const Tensor k_pe = test::random_tensor({kB, kS, cfg.rope}, DType::f32, 7);
+  const Inputs in(dev);
+  const MlaConfig& cfg = in.cfg;
+  const MlaWeights &w = in.w, &wd = in.wd;
+  const Tensor &c_kv = in.c_kv, &k_pe = in.k_pe;
   const MlaCacheShard shard = mla_shard_cache(cfg, MlaParallel::tpla, {}, c_kv, k_pe, me, P);
   const MlaCacheShard shard_d = on_device(shard, dev);
   const Tensor qn = test::random_tensor({kB, 1, cfg.heads, cfg.qk_nope}, DType::f32, 8);

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 namespace dattn {
 

@@ -6,7 +6,7 @@
 #include <mpi.h>
 
 #include "collective/communicator.h"
-#include "src/error.h"
+#include "src/base/error.h"
 
 // Checks an MPI call's return code; on failure throws dattn::Error with the call, MPI's
 // message and the location.

@@ -5,7 +5,7 @@
 
 #include <nccl.h>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 #define DATTN_NCCL_CHECK(call)                                                                   \
   do {                                                                                           \

@@ -13,7 +13,7 @@
 #include <tuple>
 
 #include "collective/nccl_check.h"
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 
 namespace dattn {
 

@@ -3,9 +3,9 @@
 // timed call on a GPU.
 #pragma once
 
-#include "src/tensor.h"
+#include "src/base/tensor.h"
 #if DATTN_WITH_CUDA
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 #endif
 
 namespace dattn::bench {

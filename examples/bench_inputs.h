@@ -5,9 +5,9 @@
 
 #include <cstdint>
 
-#include "src/dtype.h"
+#include "src/base/dtype.h"
+#include "src/base/tensor.h"
 #include "src/layout.h"
-#include "src/tensor.h"
 
 namespace dattn::bench {
 

@@ -19,12 +19,12 @@
 
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/attention_cuda.h"
-#include "kernels/cuda/check.h"
 #include "kernels/cuda/device_buffer.h"
-#include "src/dtype.h"
-#include "src/error.h"
-#include "src/spec.h"
-#include "src/tensor.h"
+#include "src/base/cuda_check.h"
+#include "src/base/dtype.h"
+#include "src/base/error.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 
 namespace {
 

@@ -29,8 +29,8 @@
 #include "launch/program.h"
 #include "launch/progress.h"
 #include "src/attention.h"
+#include "src/base/error.h"
 #include "src/decode.h"
-#include "src/error.h"
 #include "src/layout.h"
 #include "src/models.h"
 

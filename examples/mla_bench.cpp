@@ -28,7 +28,7 @@
 #include "launch/options.h"
 #include "launch/program.h"
 #include "launch/progress.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/mla.h"
 
 namespace {

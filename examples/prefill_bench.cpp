@@ -27,7 +27,7 @@
 #include "launch/program.h"
 #include "launch/progress.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/models.h"
 
 namespace {

@@ -14,7 +14,7 @@
 
 #include "collective/mpi_communicator.h"
 #include "launch/program.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/layout.h"
 
 namespace dattn::report {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 namespace dattn {
 

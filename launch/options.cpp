@@ -5,7 +5,7 @@
 
 #include "collective/mpi_communicator.h"
 #include "launch/program.h"
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

@@ -6,7 +6,7 @@
 #include <boost/program_options.hpp>
 #include <string>
 
-#include "src/tensor.h"
+#include "src/base/tensor.h"
 
 namespace dattn {
 

@@ -10,7 +10,7 @@
 #include <sstream>
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

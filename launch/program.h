@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

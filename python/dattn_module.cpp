@@ -14,7 +14,7 @@
 
 #include "collective/mpi_communicator.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/validate.h"
 
 namespace py = pybind11;

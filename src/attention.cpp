@@ -14,15 +14,15 @@
 #include "kernels/cpu/attention_backward_cpu.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/merge.h"
+#include "src/base/error.h"
 #include "src/check_finite.h"
 #include "src/device_ops.h"
-#include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 #if DATTN_WITH_CUDA
 #include "kernels/cuda/attention_cuda.h"
-#include "kernels/cuda/check.h"
 #include "kernels/movement/movement.h"
+#include "src/base/cuda_check.h"
 #endif
 
 namespace dattn {
@@ -141,7 +141,7 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
     }
   }
   // The kernels read cu_seqlens until they finish; its storage is freed on return, in the order
-  // of the default stream where they run (src/tensor.h): after them, without a host wait.
+  // of the default stream where they run (src/base/tensor.h): after them, without a host wait.
 }
 #endif
 }  // namespace

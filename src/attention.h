@@ -6,10 +6,10 @@
 
 #include <string>
 
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 #include "src/layout.h"
 #include "src/runtime.h"
-#include "src/spec.h"
-#include "src/tensor.h"
 
 namespace dattn {
 

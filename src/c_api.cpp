@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/validate.h"
 
 struct dattn_runtime {

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "kernels/cpu/finite.h"
-#include "src/error.h"
-#include "src/tensor.h"
+#include "src/base/error.h"
+#include "src/base/tensor.h"
 
 namespace dattn {
 

@@ -9,9 +9,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "src/base/error.h"
 #include "src/check_finite.h"
 #include "src/device_ops.h"
-#include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 
@@ -203,8 +203,8 @@ Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs
   allreduce_f32(rt, packed.ptr<float>(), packed_n, ReduceOp::sum);
   unweigh_partial(dev, out, lse, packed.ptr<float>(), m.ptr<float>(), B, Sq, H, Dv);
   // m and packed are freed on return while a GPU's unweigh may still be queued: device memory is
-  // freed in the order of the default stream, after that work (src/tensor.h; the ring's receive
-  // buffers rely on the same).
+  // freed in the order of the default stream, after that work (src/base/tensor.h; the ring's
+  // receive buffers rely on the same).
   return res;
 }
 

@@ -5,9 +5,9 @@
 #include <cstring>
 
 #include "kernels/movement/movement.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #if DATTN_WITH_CUDA
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 #endif
 
 namespace dattn {

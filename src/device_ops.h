@@ -12,8 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "src/spec.h"
-#include "src/tensor.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 
 namespace dattn {
 

@@ -6,7 +6,7 @@
 
 #include "collective/communicator.h"
 #include "kernels/movement/movement.h"
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

@@ -12,9 +12,9 @@
 #include <cstring>
 
 #include "kernels/cpu/vec_math.h"
+#include "src/base/error.h"
 #include "src/check_finite.h"
 #include "src/device_ops.h"
-#include "src/error.h"
 #include "src/validate.h"
 #if DATTN_WITH_CUDA
 #include "kernels/cuda/mla_decode_cuda.h"

@@ -5,9 +5,9 @@
 #include <cstdint>
 
 #include "src/attention.h"
-#include "src/dtype.h"
+#include "src/base/dtype.h"
+#include "src/base/spec.h"
 #include "src/layout.h"
-#include "src/spec.h"
 
 namespace dattn {
 

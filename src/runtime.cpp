@@ -8,10 +8,10 @@
 #include <thread>
 
 #include "collective/mpi_communicator.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/validate.h"
 #if DATTN_WITH_CUDA
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 #endif
 #if DATTN_WITH_NCCL
 #include "collective/nccl_communicator.h"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "collective/communicator.h"
-#include "src/tensor.h"
+#include "src/base/tensor.h"
 
 namespace dattn {
 

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <string>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace {
 

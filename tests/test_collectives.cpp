@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 namespace {

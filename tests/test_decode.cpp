@@ -13,8 +13,8 @@
 
 #include "kernels/cpu/reference.h"
 #include "src/attention.h"
+#include "src/base/error.h"
 #include "src/decode.h"
-#include "src/error.h"
 #include "src/layout.h"
 #include "src/runtime.h"
 #include "tests/test_reference.h"

@@ -6,8 +6,8 @@
 
 #include <cstring>
 
-#include "src/error.h"
-#include "src/tensor.h"
+#include "src/base/error.h"
+#include "src/base/tensor.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

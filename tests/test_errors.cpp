@@ -11,7 +11,7 @@
 
 #include "kernels/cpu/reference.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/layout.h"
 #include "src/runtime.h"
 #include "tests/test_reference.h"

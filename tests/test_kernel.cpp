@@ -14,7 +14,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/merge.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/layout.h"
 #include "src/models.h"
 #include "tests/test_reference.h"

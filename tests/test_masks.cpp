@@ -14,9 +14,9 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/merge.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
+#include "src/base/spec.h"
 #include "src/models.h"
-#include "src/spec.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

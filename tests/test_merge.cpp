@@ -1,6 +1,6 @@
 // Single-process tests of the partial merge (kernels/merge.h: merge_row, merge_partials,
 // clear_partial) against the float64 reference, and of the storage dtype conversions
-// (src/dtype.h: bf16/fp16 round to nearest even, inf, NaN, subnormals, names).
+// (src/base/dtype.h: bf16/fp16 round to nearest even, inf, NaN, subnormals, names).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,8 +10,8 @@
 
 #include "kernels/cpu/reference.h"
 #include "kernels/merge.h"
-#include "src/dtype.h"
-#include "src/error.h"
+#include "src/base/dtype.h"
+#include "src/base/error.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

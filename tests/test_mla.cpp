@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/layout.h"
 #include "src/mla.h"
 #include "src/runtime.h"

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "src/spec.h"
-#include "src/tensor.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 
 namespace dattn::test {
 

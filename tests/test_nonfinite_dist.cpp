@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "src/attention.h"
+#include "src/base/error.h"
 #include "src/decode.h"
-#include "src/error.h"
 #include "src/layout.h"
 #include "src/mla.h"
 #include "src/runtime.h"

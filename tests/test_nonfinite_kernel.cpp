@@ -14,7 +14,7 @@
 #include "kernels/cpu/attention_backward_cpu.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "tests/test_nonfinite.h"
 #include "tests/test_reference.h"
 

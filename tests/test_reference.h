@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "kernels/cpu/reference.h"
-#include "src/dtype.h"
-#include "src/error.h"
-#include "src/spec.h"
-#include "src/tensor.h"
+#include "src/base/dtype.h"
+#include "src/base/error.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 
 namespace dattn::test {
 

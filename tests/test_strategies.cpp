@@ -12,7 +12,7 @@
 
 #include "kernels/cpu/reference.h"
 #include "src/attention.h"
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/layout.h"
 #include "src/models.h"
 #include "src/runtime.h"

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/attention_cpu.h"
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 namespace dattn::cpu {
 

@@ -18,7 +18,7 @@
 #include "kernels/cpu/finite.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn::cpu {
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "kernels/attention_block.h"
-#include "src/dtype.h"
-#include "src/spec.h"
+#include "src/base/dtype.h"
+#include "src/base/spec.h"
 
 namespace dattn::cpu {
 

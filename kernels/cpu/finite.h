@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 namespace dattn::cpu {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn::cpu {
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "src/spec.h"
-#include "src/tensor.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 
 namespace dattn::cpu {
 

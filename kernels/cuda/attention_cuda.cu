@@ -9,9 +9,9 @@
 #include <string>
 
 #include "kernels/cuda/attention_cuda.h"
-#include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_fwd.h"
-#include "src/error.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 
 namespace dattn::cuda {
 

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 
 namespace dattn::cuda {
 

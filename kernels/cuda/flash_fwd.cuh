@@ -11,9 +11,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_fwd.h"
 #include "kernels/cuda/launch.h"
+#include "src/base/cuda_check.h"
 
 namespace dattn::cuda::detail {
 
@@ -102,7 +102,8 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif  // DATTN_CUDA_EMULATION
 
 // ---------------------------------------------------------------- positions and the mask
-// The same rules as the CPU kernel (Mask::in_band, Mask::document_of, Mask::cover in src/spec.h).
+// The same rules as the CPU kernel (Mask::in_band, Mask::document_of, Mask::cover in
+// src/base/spec.h).
 
 __device__ __forceinline__ int64_t row_position(int64_t i, int64_t pos0, int64_t stride,
                                                 int64_t block) {

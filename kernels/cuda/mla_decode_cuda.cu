@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <utility>
 
-#include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/mla_decode_cuda.h"
-#include "src/error.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 
 namespace dattn::cuda {
 

@@ -9,8 +9,8 @@
 // goes through src/device_ops.h, and attend_runs picks the kernel.
 #include <vector>
 
+#include "src/base/error.h"
 #include "src/device_ops.h"
-#include "src/error.h"
 #include "src/strategies/strategies.h"
 
 namespace dattn {
@@ -116,7 +116,7 @@ void exchange(Device dev, Communicator& group, const std::vector<Part>& parts, i
       off += copy_share(dev, p, static_cast<char*>(p.dst), !to_heads, j, U, B, Sl, m,
                         recv_buf + off, false);
   // send and recv are freed on return while a GPU's unpacking may still be queued: device memory
-  // is freed in the order of the default stream, after that work (src/tensor.h).
+  // is freed in the order of the default stream, after that work (src/base/tensor.h).
 }
 
 Members members_of(const Communicator& group, const Layout& layout, int cp_rank) {

@@ -8,7 +8,7 @@
 // picks the kernel by it.
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/models.h"
 #include "src/strategies/strategies.h"
 

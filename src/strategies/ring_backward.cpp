@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
 #include "src/models.h"
 #include "src/strategies/strategies.h"
 

@@ -10,9 +10,9 @@
 // Both phases run unchanged on host and GPU tensors: buffers live on the Runtime's device and the
 // copies and the merge go through src/device_ops.h.
 #include "src/star.h"
+#include "src/base/error.h"
 #include "src/check_finite.h"
 #include "src/device_ops.h"
-#include "src/error.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "src/error.h"
+#include "src/base/error.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 #include "src/layout.h"
-#include "src/spec.h"
-#include "src/tensor.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -9,8 +9,8 @@
 #include <limits>
 #include <vector>
 
-#include "src/error.h"
-#include "src/spec.h"
+#include "src/base/error.h"
+#include "src/base/spec.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/fuzz_util.h"
 

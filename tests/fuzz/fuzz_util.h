@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn::fuzz {
 

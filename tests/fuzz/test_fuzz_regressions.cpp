@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "src/base/spec.h"
 #include "src/layout.h"
 #include "src/models.h"
-#include "src/spec.h"
 #include "src/star.h"
 
 namespace {

@@ -16,10 +16,10 @@
 
 #include "kernels/cpu/reference.h"
 #include "kernels/cuda/attention_cuda.h"
-#include "kernels/cuda/check.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/mla_decode_cuda.h"
-#include "src/error.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

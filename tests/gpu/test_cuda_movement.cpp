@@ -13,8 +13,8 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cuda/check.h"
 #include "kernels/movement/movement.h"
+#include "src/base/cuda_check.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

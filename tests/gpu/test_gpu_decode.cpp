@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "kernels/cpu/reference.h"
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 #include "src/decode.h"
-#include "src/error.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
 #include "tests/gpu/suite_runtimes.h"

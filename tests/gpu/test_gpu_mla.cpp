@@ -11,8 +11,8 @@
 #include <memory>
 #include <string>
 
-#include "kernels/cuda/check.h"
-#include "src/error.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 #include "src/mla.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/suite_runtimes.h"

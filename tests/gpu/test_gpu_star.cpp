@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 #include "src/decode.h"
-#include "src/error.h"
 #include "src/star.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "collective/nccl_communicator.h"
-#include "kernels/cuda/check.h"
-#include "src/error.h"
+#include "src/base/cuda_check.h"
+#include "src/base/error.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 
 namespace dattn {

@@ -1,9 +1,9 @@
 // AttnSpec validation and printing.
-#include "src/spec.h"
+#include "src/base/spec.h"
 
 #include <cmath>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

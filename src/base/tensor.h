@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 namespace dattn {
 

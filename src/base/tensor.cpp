@@ -1,6 +1,6 @@
 // Tensor allocation (host memory, or CUDA device memory in a CUDA build), copies between host
 // and device, and element access and slicing on the host.
-#include "src/tensor.h"
+#include "src/base/tensor.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,9 +9,9 @@
 #include <mutex>
 #include <sstream>
 
-#include "src/error.h"
+#include "src/base/error.h"
 #if DATTN_WITH_CUDA
-#include "kernels/cuda/check.h"
+#include "src/base/cuda_check.h"
 #endif
 
 namespace dattn {
@@ -109,7 +109,7 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
       // Stream-ordered on the legacy default stream, where the kernels and copies run: no device
       // synchronisation per allocation and free (cudaFree waits for the whole device), and the
       // pool reuses memory from call to call. The library's NCCL calls are complete before a
-      // buffer they used is released (see src/tensor.h for what that asks of the caller).
+      // buffer they used is released (see src/base/tensor.h for what that asks of the caller).
       DATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamLegacy));
       t.storage_ = std::shared_ptr<void>(p, [index = device.index](void* q) {
         // Never throws (a deleter): errors at exit, after CUDA's teardown, are ignored.

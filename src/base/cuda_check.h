@@ -1,11 +1,11 @@
-// DATTN_CUDA_CHECK: the checking macro for every CUDA runtime call (host code only). A failure
-// throws dattn::Error naming the call, CUDA's error name and text, and file:line, like
-// DATTN_MPI_CHECK does for MPI.
+// DATTN_CUDA_CHECK: the checking macro for every CUDA runtime call (host code only), in the base
+// layer because tensors, kernels and the NCCL communicator all use it. A failure throws
+// dattn::Error naming the call, CUDA's error name and text, and file:line, like DATTN_MPI_CHECK.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 #define DATTN_CUDA_CHECK(call)                                                                \
   do {                                                                                        \

@@ -1,10 +1,10 @@
 // dtype names and the fp16 <-> fp32 conversions (bit-exact, round to nearest even).
-#include "src/dtype.h"
+#include "src/base/dtype.h"
 
 #include <cpuid.h>
 #include <immintrin.h>
 
-#include "src/error.h"
+#include "src/base/error.h"
 
 namespace dattn {
 

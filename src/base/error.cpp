@@ -1,5 +1,5 @@
 // dattn::Error: message formatting with rank and location.
-#include "src/error.h"
+#include "src/base/error.h"
 
 #include <atomic>
 

@@ -1,29 +1,17 @@
-// The attention entry points: validation agreed by all ranks, then the chosen schedule.
-// Also the helpers every schedule shares: an empty partial, and attending q's runs to a block.
-// These helpers are the one place that picks the CPU or the CUDA kernels, by the tensors' device
-// (src/device_ops.h does the same for copies and elementwise steps): strategy code calls them and
-// never branches on the device itself.
+// The attention entry points: validation agreed by all ranks, then the chosen schedule
+// (src/strategies/), which reaches the kernels through the dispatch layer (src/dispatch.h).
 #include "src/attention.h"
 
 #include <cstring>
 #include <initializer_list>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 
-#include "kernels/cpu/attention_backward_cpu.h"
-#include "kernels/cpu/attention_cpu.h"
-#include "kernels/merge.h"
 #include "src/base/error.h"
 #include "src/check_finite.h"
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
-#if DATTN_WITH_CUDA
-#include "kernels/cuda/attention_cuda.h"
-#include "kernels/movement/movement.h"
-#include "src/base/cuda_check.h"
-#endif
 
 namespace dattn {
 
@@ -50,133 +38,6 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "tree") return Strategy::tree;
   if (name == "allgather") return Strategy::allgather;
   DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses, hybrid, tree or allgather");
-}
-
-void clear_partial(Partial& p) {
-  if (p.out.device().is_cpu()) {
-    clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), p.out.size(0), p.out.size(1),
-                  p.out.size(2), p.out.size(3));
-    return;
-  }
-#if DATTN_WITH_CUDA
-  // The legacy default stream, as the kernels (see attend_runs_cuda).
-  movement::cuda::clear_partial(p.out.ptr<float>(), p.out.numel(), p.lse.ptr<float>(),
-                                p.lse.numel(), nullptr);
-#else
-  DATTN_THROW("invalid partial device = ", p.out.device().str(),
-              ": this build has no CUDA backend");
-#endif
-}
-
-Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
-  const int64_t B = q.size(0), S = q.size(1);
-  Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32, q.device()),
-            Tensor::empty({B, spec.heads_q, S}, DType::f32, q.device())};
-  clear_partial(p);
-  return p;
-}
-
-namespace {
-// The kernel arguments shared by every block of one call (cpu:: or cuda::AttentionBlock, both a
-// BlockOfWork): tensors, shapes, scale, and the CPU block's mask (the GPU's is set by the caller:
-// its documents live in device memory).
-template <typename Block>
-Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
-                 const AttnSpec& spec) {
-  Block blk;
-  blk.q = q.data();
-  blk.k = k;
-  blk.v = v;
-  blk.dtype = q.dtype();
-  blk.batch = q.size(0);
-  blk.seq_q = q.size(1);
-  blk.seq_k = k_rows;
-  blk.heads_q = spec.heads_q;
-  blk.heads_kv = spec.heads_kv;
-  blk.head_dim = spec.head_dim;
-  blk.head_dim_v = spec.dim_v();
-  blk.scale = spec.scale();
-  if constexpr (std::is_same_v<Block, cpu::AttentionBlock>) blk.mask = spec.mask;
-  return blk;
-}
-
-// Points blk at the query run qr and the key run kr (rows and global positions).
-void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
-  blk.q_begin = qr.local_begin;
-  blk.q_len = qr.length;
-  blk.q_pos0 = qr.global_begin;
-  blk.q_pos_stride = qr.stride;
-  blk.q_pos_block = qr.block;
-  blk.k_begin = kr.local_begin;
-  blk.k_len = kr.length;
-  blk.k_pos0 = kr.global_begin;
-  blk.k_pos_stride = kr.stride;
-  blk.k_pos_block = kr.block;
-}
-
-#if DATTN_WITH_CUDA
-// attend_runs on a GPU. The kernels run on the legacy default stream (stream 0), on purpose: the
-// NCCL communicator's own (non-blocking) stream waits for what stream 0 holds each time it issues
-// (NcclCommunicator::follow_default_stream), and its waits complete on the host; so each kernel
-// runs after the receive that filled its K/V block (waited for) and before any later NCCL call
-// that overwrites that block or reads the partial, with no event in the strategies. A kernel
-// queued after Communicator::start() overlaps the messages of its own step (ring.cpp).
-void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
-                      int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
-                      Partial& res) {
-  auto blk = make_block<cuda::AttentionBlock>(q, k, v, k_rows, spec);
-  // The kernel reads document boundaries from device memory: one copy per call.
-  Tensor cu_seqlens;
-  if (spec.mask.documents) {
-    const std::vector<int64_t>& docs = *spec.mask.documents;
-    cu_seqlens = byte_buffer(docs.size() * sizeof(int64_t), q.device());
-    DATTN_CUDA_CHECK(cudaMemcpy(cu_seqlens.data(), docs.data(), docs.size() * sizeof(int64_t),
-                                cudaMemcpyHostToDevice));
-  }
-  cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
-  for (const Run& qr : q_runs) {
-    for (const Run& kr : k_runs) {
-      set_runs(blk, qr, kr);
-      cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
-    }
-  }
-  // The kernels read cu_seqlens until they finish; its storage is freed on return, in the order
-  // of the default stream where they run (src/base/tensor.h): after them, without a host wait.
-}
-#endif
-}  // namespace
-
-void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
-                 int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
-                 Partial& res) {
-  if (!q.device().is_cpu()) {
-#if DATTN_WITH_CUDA
-    attend_runs_cuda(q, q_runs, k, v, k_rows, k_runs, spec, res);
-    return;
-#else
-    DATTN_THROW("invalid q device = ", q.device().str(), ": this build has no CUDA backend");
-#endif
-  }
-  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
-  for (const Run& qr : q_runs) {
-    for (const Run& kr : k_runs) {
-      set_runs(blk, qr, kr);
-      cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
-    }
-  }
-}
-
-void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
-                   int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
-                   const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
-                   float* dv) {
-  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
-  for (const Run& qr : q_runs) {
-    for (const Run& kr : k_runs) {
-      set_runs(blk, qr, kr);
-      cpu::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv);
-    }
-  }
 }
 
 // Shape and dtype checks of q, k, v against the spec (local: each rank checks its own).
@@ -243,9 +104,9 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
                           const AttnSpec& spec, const Layout& layout, Strategy strategy, int U,
                           const Device* device) {
   check_qkv(q, k, v, spec, device);
-  // The CUDA kernel's limits, caught here, agreed by every rank, before any data moves (the
-  // kernel's own checks would fire mid-schedule, on one rank).
-  if (!q.device().is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
+  // The kernels' limits, caught here, agreed by every rank, before any data moves (the kernel's
+  // own checks would fire mid-schedule, on one rank).
+  check_attention_limits(q.device(), q.dtype(), spec, q.size(0));
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
       "strategy", strategy_name(strategy),
@@ -306,10 +167,8 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
   if (check_finite_env())
     check_local_finite({{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}});
   Partial res = empty_partial(q, spec);
-  auto blk = make_block<cpu::AttentionBlock>(q, k.data(), v.data(), k.size(1), spec);
-  blk.q_pos0 = q_pos0;
-  blk.k_pos0 = k_pos0;
-  cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+  attend_runs(q, {Run{0, q_pos0, 1, q.size(1)}}, k.data(), v.data(), k.size(1),
+              {Run{0, k_pos0, 1, k.size(1)}}, spec, res);
   return res;
 }
 
@@ -356,14 +215,10 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
   Gradients g{Tensor::zeros({B, Sq, spec.heads_q, spec.head_dim}, DType::f32),
               Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32),
               Tensor::zeros({B, Sk, spec.heads_kv, spec.dim_v()}, DType::f32)};
-  Tensor delta = Tensor::empty({B, spec.heads_q, Sq}, DType::f32);
-  cpu::attention_backward_delta(dout.data(), dout.dtype(), fwd.out.ptr<float>(), B, Sq,
-                                spec.heads_q, spec.dim_v(), delta.ptr<float>());
-  auto blk = make_block<cpu::AttentionBlock>(q, k.data(), v.data(), Sk, spec);
-  blk.q_pos0 = q_pos0;
-  blk.k_pos0 = k_pos0;
-  cpu::attention_backward(blk, dout.data(), dout.dtype(), fwd.lse.ptr<float>(), delta.ptr<float>(),
-                          g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>());
+  const Tensor delta = backward_delta(dout, fwd.out);
+  backward_runs(q, {Run{0, q_pos0, 1, Sq}}, k.data(), v.data(), Sk, {Run{0, k_pos0, 1, Sk}}, dout,
+                fwd.lse.ptr<float>(), delta.ptr<float>(), spec, g.dq.ptr<float>(),
+                g.dk.ptr<float>(), g.dv.ptr<float>());
   return g;
 }
 
@@ -381,10 +236,7 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   });
   // dout in fp32 once: the schedules move and read it as fp32 whatever the storage dtype.
   const Tensor dout32 = dout.dtype() == DType::f32 ? dout : dout.to(DType::f32);
-  const int64_t B = q.size(0), S = q.size(1);
-  Tensor delta = Tensor::empty({B, spec.heads_q, S}, DType::f32);
-  cpu::attention_backward_delta(dout32.data(), DType::f32, fwd.out.ptr<float>(), B, S, spec.heads_q,
-                                spec.dim_v(), delta.ptr<float>());
+  const Tensor delta = backward_delta(dout32, fwd.out);
   const float* lse = fwd.lse.ptr<float>();
   if (U == 1)
     return ring_attention_backward(comm, q, k, v, dout32, lse, delta.ptr<float>(), spec, layout);

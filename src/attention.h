@@ -9,6 +9,7 @@
 #include "src/base/spec.h"
 #include "src/base/tensor.h"
 #include "src/layout.h"
+#include "src/partial.h"
 #include "src/runtime.h"
 
 namespace dattn {
@@ -21,13 +22,6 @@ namespace dattn {
 enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2, tree = 3, allgather = 4 };
 const char* strategy_name(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming the value
-
-// A partial attention result: out fp32 bshd, lse fp32 [B, H, S] (natural log; -inf for a row
-// that saw no key, whose out is 0).
-struct Partial {
-  Tensor out;
-  Tensor lse;
-};
 
 // Distributed attention forward. Collective over rt.cp(): every rank calls it with the same
 // spec, layout, strategy, batch and dtype. Bad input throws dattn::Error on every rank (the
@@ -56,13 +50,7 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
                         int64_t q_pos0 = 0, int64_t k_pos0 = 0);
 
 // ------------------------------------------------------------------ backward
-
-// The gradients of one attention call with respect to its inputs, this rank's shards, fp32
-// whatever the storage dtype: dq like q [B, S_local, H_q, D], dk like k, dv like v. For GQA, dk
-// and dv sum over the query heads of each group.
-struct Gradients {
-  Tensor dq, dk, dv;
-};
+// (Partial and Gradients: src/partial.h.)
 
 // Distributed attention backward. Collective over rt.cp(), with the arguments of the attention()
 // call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out

@@ -11,7 +11,7 @@
 
 #include "src/base/error.h"
 #include "src/check_finite.h"
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 
@@ -78,7 +78,7 @@ void KvCache::prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout
   check_kv(k_shard, v_shard, *this, n, "prefill");
   DATTN_CHECK_ARG(n <= capacity_, "capacity", capacity_,
                   detail::cat(">= ", n, " tokens (this rank's share of the prompt)"));
-  // The shards may be on the host or a device, whatever the cache's device (src/device_ops.h).
+  // The shards may be on the host or a device, whatever the cache's device (src/dispatch.h).
   copy_rows(k_.data(), k_.device(), capacity_, 0, k_shard.data(), k_shard.device(), n, 0, batch_, n,
             row_bytes(k_));
   copy_rows(v_.data(), v_.device(), capacity_, 0, v_shard.data(), v_shard.device(), n, 0, batch_, n,
@@ -179,7 +179,7 @@ void allreduce_f32(Runtime& rt, float* buf, size_t count, ReduceOp op) {
 
 // Tree: the local partial, then max of lse and sum of [w * out | w] over the ranks. The buffers
 // live on q's device (the cache's and the communicator's), and the copy and weighting steps go
-// through src/device_ops.h, so this schedule runs unchanged on host and GPU tensors.
+// through src/dispatch.h, so this schedule runs unchanged on host and GPU tensors.
 Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs,
                     const KvCache& cache) {
   const AttnSpec& spec = cache.spec();
@@ -316,8 +316,8 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
                     detail::cat(rt.device().str(), " (the Runtime's device)"));
     DATTN_CHECK_ARG(cache.device() == rt.device(), "cache device", cache.device().str(),
                     detail::cat(rt.device().str(), " (the Runtime's device)"));
-    // The CUDA kernel's limits, caught here, agreed by every rank, before any data moves.
-    if (!rt.device().is_cpu()) check_cuda_kernel_limits(q.dtype(), cache.spec(), q.size(0));
+    // The kernels' limits, caught here, agreed by every rank, before any data moves.
+    check_attention_limits(rt.device(), q.dtype(), cache.spec(), q.size(0));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(q.size(0) == cache.batch(), "q batch", q.size(0), cache.batch());

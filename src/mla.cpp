@@ -1,27 +1,18 @@
-// MLA and TPLA: the prefill expansion, the absorbed decode (on the CPU sgemm over the whole cache
-// per query: scores [H, S], probabilities, z = P C; on GPU tensors the CUDA kernels of
-// kernels/cuda/mla_decode_cuda.h), the latent transforms (fast Walsh-Hadamard; PCA through
-// LAPACK's dsyev) and the distributed decode (head split: allgather of heads; TPLA: per-slice
-// softmax, sum-allreduce of the outputs), which runs unchanged on host and GPU tensors.
+// MLA and TPLA: validation, the prefill expansion, the absorbed decode of one slice (its kernels,
+// CPU and CUDA, picked by src/dispatch.h), the latent transforms (their math in
+// kernels/cpu/mla_cpu.h, on host tensors) and the distributed decode schedule (head split:
+// allgather of heads; TPLA: per-slice softmax, sum-allreduce of the outputs), which runs unchanged
+// on host and GPU tensors.
 #include "src/mla.h"
-
-#include <cblas.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "kernels/cpu/vec_math.h"
+#include "kernels/cpu/mla_cpu.h"
 #include "src/base/error.h"
 #include "src/check_finite.h"
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 #include "src/validate.h"
-#if DATTN_WITH_CUDA
-#include "kernels/cuda/mla_decode_cuda.h"
-#endif
-
-extern "C" void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
-                       double* w, double* work, const int* lwork, int* info);
 
 namespace dattn {
 
@@ -107,16 +98,11 @@ MlaExpanded mla_expand(const MlaConfig& cfg, const MlaWeights& w, const Tensor& 
   MlaExpanded e{Tensor::empty({B, Sq, H, dqk}, DType::f32),
                 Tensor::empty({B, S, H, dqk}, DType::f32), Tensor::empty({B, S, H, dv}, DType::f32),
                 AttnSpec{}};
-  openblas_set_num_threads(omp_get_max_threads());
-  for (int64_t h = 0; h < H; ++h) {  // K_nope_h = C W_UK_h^T, V_h = C W_UV_h^T, all tokens at once
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(B * S), int(dn), int(dc), 1.f,
-                c_kv.ptr<float>(), int(dc), w.w_uk.ptr<float>() + h * dn * dc, int(dc), 0.f,
-                e.k.ptr<float>() + h * dqk, int(H * dqk));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(B * S), int(dv), int(dc), 1.f,
-                c_kv.ptr<float>(), int(dc), w.w_uv.ptr<float>() + h * dv * dc, int(dc), 0.f,
-                e.v.ptr<float>() + h * dv, int(H * dv));
-  }
-  openblas_set_num_threads(1);
+  // K_nope_h = W_UK_h c and V_h = W_UV_h c for every token, into K's first dn columns and V.
+  cpu::mla_up_project(c_kv.ptr<float>(), B * S, dc, w.w_uk.ptr<float>(), H, dn, e.k.ptr<float>(),
+                      dqk, H * dqk);
+  cpu::mla_up_project(c_kv.ptr<float>(), B * S, dc, w.w_uv.ptr<float>(), H, dv, e.v.ptr<float>(),
+                      dv, H * dv);
   for (int64_t t = 0; t < B * S; ++t)
     for (int64_t h = 0; h < H; ++h)
       std::memcpy(e.k.ptr<float>() + (t * H + h) * dqk + dn, k_pe.ptr<float>() + t * dr,
@@ -150,16 +136,15 @@ struct Slice {
   float mult = 1.f;
 };
 
-// absorbed_decode (below) on GPU tensors: the slice's c [B, S, nlat] and kpe [B, S, nrope] as
-// mla_decode checked them, the band of `mask` (documents are refused in validation), on the
-// legacy default stream like the attention kernels.
-void absorbed_decode_cuda(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
-                          const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
-                          const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
-                          int64_t out_h0, float* lse) {
-#if DATTN_WITH_CUDA
-  DATTN_ASSERT(c.size(2) == sl.nlat && kpe.size(2) == sl.nrope && !mask.documents);
-  cuda::MlaAbsorbedBlock p;
+// The absorbed decode of slice sl against its cache columns c [B, S, nlat] and kpe [B, S, nrope],
+// on the tensors' device (src/dispatch.h). out receives W_UV_h[:, slice] z_h for the slice's heads
+// at head offset out_h0 of out_heads; lse (optional) [B, nh, S_q] the slice's log-sum-exp.
+void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
+                     const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
+                     const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
+                     int64_t out_h0, float* lse) {
+  DATTN_ASSERT(c.size(2) == sl.nlat && kpe.size(2) == sl.nrope);
+  MlaAbsorbedBlock p;
   p.q_nope = q_nope.ptr<float>();
   p.q_pe = q_pe.ptr<float>();
   p.w_uk = w.w_uk.ptr<float>();
@@ -184,86 +169,7 @@ void absorbed_decode_cuda(const MlaConfig& cfg, const MlaWeights& w, const Tenso
   p.scale = cfg.scale() * sl.mult;
   p.left = mask.left;
   p.right = mask.right;
-  cuda::mla_absorbed_decode(p, out, out_heads, out_h0, lse, nullptr);
-#else
-  (void)cfg, (void)w, (void)q_pe, (void)c, (void)kpe, (void)q_pos0, (void)mask, (void)sl;
-  (void)out, (void)out_heads, (void)out_h0, (void)lse;
-  DATTN_THROW("invalid q_nope device = ", q_nope.device().str(),
-              ": this build has no CUDA backend");
-#endif
-}
-
-void absorbed_decode(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
-                     const Tensor& q_pe, const Tensor& c, const Tensor& kpe, int64_t q_pos0,
-                     const Mask& mask, const Slice& sl, float* out, int64_t out_heads,
-                     int64_t out_h0, float* lse) {
-  const int64_t B = q_nope.size(0), Sq = q_nope.size(1), H = cfg.heads, S = c.size(1);
-  const int64_t dn = cfg.qk_nope, dc = cfg.latent, dr = cfg.rope, dv = cfg.v_head;
-  const int64_t lc = c.size(2), lr = kpe.size(2);  // columns held (>= the slice's)
-  const float alpha = cfg.scale() * sl.mult;
-  std::vector<float> qt(size_t(sl.nh * sl.nlat)),
-      qp(size_t(sl.nh * std::max<int64_t>(sl.nrope, 1)));
-  std::vector<float> sc(size_t(sl.nh * std::max<int64_t>(S, 1))), z(size_t(sl.nh * sl.nlat));
-  std::vector<float> m(size_t(sl.nh)), l(size_t(sl.nh));
-  if (!q_nope.device().is_cpu()) {
-    absorbed_decode_cuda(cfg, w, q_nope, q_pe, c, kpe, q_pos0, mask, sl, out, out_heads, out_h0,
-                         lse);
-    return;
-  }
-  openblas_set_num_threads(omp_get_max_threads());
-  for (int64_t b = 0; b < B; ++b) {
-    const float* cb = c.ptr<float>() + b * S * lc;
-    const float* kb = kpe.ptr<float>() + b * S * lr;
-    for (int64_t s = 0; s < Sq; ++s) {
-      const int64_t pos = q_pos0 + s;
-      for (int64_t i = 0; i < sl.nh; ++i) {  // q~_h = W_UK_h[:, slice]^T q_nope_h
-        const int64_t h = sl.h0 + i;
-        cblas_sgemv(CblasRowMajor, CblasTrans, int(dn), int(sl.nlat), 1.f,
-                    w.w_uk.ptr<float>() + h * dn * dc + sl.lat0, int(dc),
-                    q_nope.ptr<float>() + ((b * Sq + s) * H + h) * dn, 1, 0.f,
-                    qt.data() + i * sl.nlat, 1);
-        for (int64_t r = 0; r < sl.nrope; ++r)
-          qp[size_t(i * sl.nrope + r)] =
-              q_pe.ptr<float>()[((b * Sq + s) * H + h) * dr + sl.rope0 + r];
-      }
-      // scores [nh, S] = alpha (q~ C^T + q_pe K_pe^T)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sl.nh), int(S), int(sl.nlat), alpha,
-                  qt.data(), int(sl.nlat), cb, int(lc), 0.f, sc.data(), int(S));
-      if (sl.nrope > 0)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sl.nh), int(S), int(sl.nrope),
-                    alpha, qp.data(), int(sl.nrope), kb + (lr == dr ? sl.rope0 : 0), int(lr), 1.f,
-                    sc.data(), int(S));
-      for (int64_t j = 0; j < S; ++j)
-        if (!mask.visible(pos, j))
-          for (int64_t i = 0; i < sl.nh; ++i)
-            sc[size_t(i * S + j)] = -INFINITY;
-      for (int64_t i = 0; i < sl.nh; ++i) {
-        float* row = sc.data() + i * S;
-        m[size_t(i)] = cpu::row_max(row, S);
-        if (m[size_t(i)] == -INFINITY) {
-          std::fill(row, row + S, 0.f);
-          l[size_t(i)] = 0.f;
-        } else {
-          l[size_t(i)] = cpu::exp_shift_sum(row, S, m[size_t(i)]);
-        }
-      }
-      // z [nh, nlat] = P C, then out_h = W_UV_h[:, slice] z_h / l_h
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sl.nh), int(sl.nlat), int(S), 1.f,
-                  sc.data(), int(S), cb, int(lc), 0.f, z.data(), int(sl.nlat));
-      for (int64_t i = 0; i < sl.nh; ++i) {
-        const int64_t h = sl.h0 + i;
-        float* o = out + ((b * Sq + s) * out_heads + out_h0 + i) * dv;
-        const float inv = l[size_t(i)] > 0.f ? 1.f / l[size_t(i)] : 0.f;
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, int(dv), int(sl.nlat), inv,
-                    w.w_uv.ptr<float>() + h * dv * dc + sl.lat0, int(dc), z.data() + i * sl.nlat, 1,
-                    0.f, o, 1);
-        if (lse != nullptr)
-          lse[(b * sl.nh + i) * Sq + s] =
-              l[size_t(i)] > 0.f ? m[size_t(i)] + std::log(l[size_t(i)]) : -INFINITY;
-      }
-    }
-  }
-  openblas_set_num_threads(1);
+  mla_absorbed_decode(q_nope.device(), p, mask, out, out_heads, out_h0, lse);
 }
 
 void check_decode_inputs(const MlaConfig& cfg, const MlaWeights& w, const Tensor& q_nope,
@@ -300,16 +206,7 @@ const char* latent_transform_name(LatentTransform t) {
 
 void fwht(float* x, int64_t n) {
   DATTN_CHECK_ARG(n > 0 && (n & (n - 1)) == 0, "fwht size", n, "a power of two");
-  for (int64_t len = 1; len < n; len <<= 1)
-    for (int64_t i = 0; i < n; i += 2 * len)
-      for (int64_t j = i; j < i + len; ++j) {
-        const float a = x[j], b = x[j + len];
-        x[j] = a + b;
-        x[j + len] = a - b;
-      }
-  const float norm = 1.0f / std::sqrt(float(n));
-  for (int64_t i = 0; i < n; ++i)
-    x[i] *= norm;
+  cpu::fwht(x, n);
 }
 
 MlaTransform make_latent_transform(LatentTransform kind, int64_t d_c, const Tensor& calibration) {
@@ -330,33 +227,7 @@ MlaTransform make_latent_transform(LatentTransform kind, int64_t d_c, const Tens
   check_f32(calibration, "calibration", {-1, d_c});
   const int64_t N = calibration.size(0);
   DATTN_CHECK_ARG(N >= 2, "calibration tokens", N, ">= 2");
-  const float* x = calibration.ptr<float>();
-  std::vector<double> mean(size_t(d_c), 0.0), cov(size_t(d_c * d_c), 0.0);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t a = 0; a < d_c; ++a)
-      mean[size_t(a)] += x[i * d_c + a] / double(N);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t a = 0; a < d_c; ++a) {
-      const double xa = x[i * d_c + a] - mean[size_t(a)];
-      for (int64_t b = 0; b <= a; ++b)
-        cov[size_t(a * d_c + b)] += xa * (x[i * d_c + b] - mean[size_t(b)]) / double(N - 1);
-    }
-  for (int64_t a = 0; a < d_c; ++a)
-    for (int64_t b = 0; b < a; ++b)
-      cov[size_t(b * d_c + a)] = cov[size_t(a * d_c + b)];
-  const int n = int(d_c);
-  int info = 0, lwork = -1;
-  std::vector<double> eig(static_cast<size_t>(d_c));
-  double query = 0;
-  dsyev_("V", "U", &n, cov.data(), &n, eig.data(), &query, &lwork, &info);
-  lwork = int(query);
-  std::vector<double> work(size_t(std::max(lwork, 1)));
-  dsyev_("V", "U", &n, cov.data(), &n, eig.data(), work.data(), &lwork, &info);
-  if (info != 0) DATTN_THROW("LAPACK dsyev failed for the PCA transform: info = ", info);
-  // Column k of the (column-major) result is the eigenvector of eig[k], ascending.
-  for (int64_t i = 0; i < d_c; ++i)
-    for (int64_t a = 0; a < d_c; ++a)
-      t.r[size_t(i * d_c + a)] = float(cov[size_t((d_c - 1 - i) * d_c + a)]);
+  cpu::pca_rotation(calibration.ptr<float>(), N, d_c, t.r.data());
   return t;
 }
 
@@ -365,10 +236,7 @@ namespace {
 Tensor rows_times_rt(const Tensor& rows, int64_t n, int64_t d, const std::vector<float>& r,
                      std::initializer_list<int64_t> shape) {
   Tensor out = Tensor::empty(shape, DType::f32);
-  openblas_set_num_threads(omp_get_max_threads());
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(d), int(d), 1.f,
-              rows.ptr<float>(), int(d), r.data(), int(d), 0.f, out.ptr<float>(), int(d));
-  openblas_set_num_threads(1);
+  cpu::rows_times_rt(rows.ptr<float>(), n, d, r.data(), out.ptr<float>());
   return out;
 }
 }  // namespace
@@ -472,18 +340,7 @@ Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const
         detail::cat(s.rope0, "+", s.nrope, " (this rank's RoPE columns under the ",
                     opt.rope == RopePlacement::split ? "split" : "replicated", " placement)"));
     check_f32(shard.k_pe, "cache k_pe", {q_nope.size(0), shard.c_kv.size(1), s.nrope}, dev);
-    if (!dev.is_cpu()) {  // what the CUDA kernels run (kernels/cuda/mla_decode_cuda.h)
-      DATTN_CHECK_ARG(!mask.documents, "mask", mask.str(),
-                      "a band mask on cuda tensors (the CUDA MLA kernel has no documents)");
-      DATTN_CHECK_ARG(
-          s.nlat <= 1024, "latent", s.nlat,
-          "at most 1024 columns per rank on cuda tensors (the CUDA MLA kernel's limit)");
-      DATTN_CHECK_ARG(s.nrope <= 512, "rope", s.nrope,
-                      "at most 512 columns per rank on cuda tensors (the CUDA MLA kernel's limit)");
-      DATTN_CHECK_ARG(q_nope.size(0) <= 65535 && q_nope.size(1) <= 65535, "q_nope shape",
-                      q_nope.shape_str(), "batch and S_q at most 65535 on cuda tensors");
-      DATTN_CHECK_ARG(cfg.qk_nope <= 8192, "qk_nope", cfg.qk_nope, "at most 8192 on cuda tensors");
-    }
+    check_mla_limits(dev, mask, s.nlat, s.nrope, q_nope.size(0), q_nope.size(1), cfg.qk_nope);
     if (rt.check_finite()) {  // the queries at q_pos0.., the cache's tokens at 0..
       auto query = [&](int64_t row) { return q_pos0 + row; };
       auto token = [](int64_t row) { return row; };

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/flash_fwd.h"
+#include "kernels/cuda/limits.h"
 #include "src/base/cuda_check.h"
 #include "src/base/error.h"
 
@@ -21,6 +22,7 @@ namespace {
 // zero-filled padding (exact: zeros add nothing to a dot product and are never written out).
 // 160 and 224 are left out to keep the build short: they pad to 192 and 256.
 int64_t padded_dim(int64_t d) {
+  static_assert(kMaxHeadDim == 256, "the largest instantiation below is kMaxHeadDim");
   for (int64_t p : {32, 64, 96, 128, 192, 256})
     if (d <= p) return p;
   return 0;
@@ -92,17 +94,19 @@ std::string kernel_variant(DType dtype, int64_t head_dim, int64_t head_dim_v) {
 
 void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream) {
   // ---------------------------------------------------------------- validation (host, first)
-  DATTN_CHECK_ARG(blk.dtype == DType::bf16 || blk.dtype == DType::f16, "dtype",
-                  dtype_name(blk.dtype), "bf16 or fp16 (the CUDA kernel's storage types)");
-  DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= 65535, "batch", blk.batch, "0 to 65535");
+  DATTN_CHECK_ARG(attention_dtype_supported(blk.dtype), "dtype", dtype_name(blk.dtype),
+                  "bf16 or fp16 (the CUDA kernel's storage types)");
+  DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= kMaxGridYZ, "batch", blk.batch,
+                  dattn::detail::cat("0 to ", kMaxGridYZ));
   DATTN_CHECK_ARG(blk.heads_kv > 0, "heads_kv", blk.heads_kv, "> 0");
-  DATTN_CHECK_ARG(blk.heads_q > 0 && blk.heads_q <= 65535, "heads_q", blk.heads_q, "1 to 65535");
+  DATTN_CHECK_ARG(blk.heads_q > 0 && blk.heads_q <= kMaxGridYZ, "heads_q", blk.heads_q,
+                  dattn::detail::cat("1 to ", kMaxGridYZ));
   DATTN_CHECK_ARG(blk.heads_q % blk.heads_kv == 0, "heads_q", blk.heads_q,
                   dattn::detail::cat("a multiple of heads_kv (", blk.heads_kv, ")"));
-  DATTN_CHECK_ARG(blk.head_dim > 0 && blk.head_dim <= 256, "head_dim", blk.head_dim,
-                  "1 to 256 (the CUDA kernel's limit)");
-  DATTN_CHECK_ARG(blk.head_dim_v > 0 && blk.head_dim_v <= 256, "head_dim_v", blk.head_dim_v,
-                  "1 to 256 (the CUDA kernel's limit)");
+  DATTN_CHECK_ARG(blk.head_dim > 0 && blk.head_dim <= kMaxHeadDim, "head_dim", blk.head_dim,
+                  dattn::detail::cat("1 to ", kMaxHeadDim, " (the CUDA kernel's limit)"));
+  DATTN_CHECK_ARG(blk.head_dim_v > 0 && blk.head_dim_v <= kMaxHeadDim, "head_dim_v", blk.head_dim_v,
+                  dattn::detail::cat("1 to ", kMaxHeadDim, " (the CUDA kernel's limit)"));
   DATTN_CHECK_ARG(blk.seq_q >= 0, "seq_q", blk.seq_q, ">= 0");
   DATTN_CHECK_ARG(blk.seq_k >= 0, "seq_k", blk.seq_k, ">= 0");
   DATTN_CHECK_ARG(blk.q_begin >= 0 && blk.q_begin <= blk.seq_q, "q_begin", blk.q_begin,

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/limits.h"
 #include "kernels/cuda/mla_decode_cuda.h"
 #include "src/base/cuda_check.h"
 #include "src/base/error.h"
@@ -19,9 +20,10 @@ namespace dattn::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kMaxLatentPerLane = 32;  // latent <= 32 * 32 = 1024, held in registers
-constexpr int64_t kMaxLatent = 32 * kMaxLatentPerLane;
-constexpr int64_t kMaxRope = 512;
+constexpr int kMaxLatentPerLane = int(kMaxMlaLatent / 32);  // a lane's latent columns, in registers
+static_assert(kMaxLatentPerLane * 32 == kMaxMlaLatent, "the latent limit splits over 32 lanes");
+constexpr int64_t kMaxLatent = kMaxMlaLatent;
+constexpr int64_t kMaxRope = kMaxMlaRope;
 
 __global__ void __launch_bounds__(kWarps * 32)
     mla_decode_kernel(const MlaDecodeBlock p, float* z, float* lse) {
@@ -170,8 +172,10 @@ __global__ void __launch_bounds__(kThreads)
 void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_heads, int64_t out_h0,
                          float* lse, cudaStream_t stream) {
   // Everything the three launches need, before any allocation (a throw must not leak scratch).
-  DATTN_CHECK_ARG(p.batch >= 0 && p.batch <= 65535, "batch", p.batch, "0 to 65535");
-  DATTN_CHECK_ARG(p.seq_q >= 0 && p.seq_q <= 65535, "seq_q", p.seq_q, "0 to 65535");
+  DATTN_CHECK_ARG(p.batch >= 0 && p.batch <= kMaxGridYZ, "batch", p.batch,
+                  dattn::detail::cat("0 to ", kMaxGridYZ));
+  DATTN_CHECK_ARG(p.seq_q >= 0 && p.seq_q <= kMaxGridYZ, "seq_q", p.seq_q,
+                  dattn::detail::cat("0 to ", kMaxGridYZ));
   DATTN_CHECK_ARG(p.seq_kv >= 0, "seq_kv", p.seq_kv, ">= 0");
   DATTN_CHECK_ARG(p.nh >= 0 && p.nh <= 0x7fffffff, "heads", p.nh, "0 to 2^31 - 1");
   DATTN_CHECK_ARG(p.h0 >= 0 && p.h0 + p.nh <= p.heads_all, "head slice",
@@ -180,15 +184,18 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_head
   DATTN_CHECK_ARG(out_h0 >= 0 && out_h0 + p.nh <= out_heads, "out heads",
                   dattn::detail::cat(out_h0, "+", p.nh),
                   dattn::detail::cat("within ", out_heads, " heads"));
-  DATTN_CHECK_ARG(p.qk_nope >= 1 && p.qk_nope <= 8192, "qk_nope", p.qk_nope,
-                  "1 to 8192 (the CUDA absorption kernel's shared memory)");
+  DATTN_CHECK_ARG(
+      p.qk_nope >= 1 && p.qk_nope <= kMaxMlaQkNope, "qk_nope", p.qk_nope,
+      dattn::detail::cat("1 to ", kMaxMlaQkNope, " (the CUDA absorption kernel's shared memory)"));
   DATTN_CHECK_ARG(p.v_head >= 1, "v_head", p.v_head, ">= 1");
   DATTN_CHECK_ARG(p.nlat >= 1 && p.nlat <= kMaxLatent, "latent", p.nlat,
-                  "1 to 1024 columns per rank (the CUDA MLA decode kernel's limit)");
+                  dattn::detail::cat("1 to ", kMaxLatent,
+                                     " columns per rank (the CUDA MLA decode kernel's limit)"));
   DATTN_CHECK_ARG(p.lat0 >= 0 && p.lat0 + p.nlat <= p.latent_all, "latent slice",
                   dattn::detail::cat(p.lat0, "+", p.nlat),
                   dattn::detail::cat("within ", p.latent_all));
-  DATTN_CHECK_ARG(p.nrope >= 0 && p.nrope <= kMaxRope, "rope", p.nrope, "0 to 512 columns");
+  DATTN_CHECK_ARG(p.nrope >= 0 && p.nrope <= kMaxRope, "rope", p.nrope,
+                  dattn::detail::cat("0 to ", kMaxRope, " columns"));
   DATTN_CHECK_ARG(p.rope0 >= 0 && p.rope0 + p.nrope <= p.rope_all, "rope slice",
                   dattn::detail::cat(p.rope0, "+", p.nrope),
                   dattn::detail::cat("within ", p.rope_all));
@@ -245,13 +252,16 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, float* out, int64_t out_head
 }
 
 void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStream_t stream) {
-  DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= 65535, "batch", blk.batch, "0 to 65535");
-  DATTN_CHECK_ARG(blk.seq_q >= 0 && blk.seq_q <= 65535, "seq_q", blk.seq_q, "0 to 65535");
+  DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= kMaxGridYZ, "batch", blk.batch,
+                  dattn::detail::cat("0 to ", kMaxGridYZ));
+  DATTN_CHECK_ARG(blk.seq_q >= 0 && blk.seq_q <= kMaxGridYZ, "seq_q", blk.seq_q,
+                  dattn::detail::cat("0 to ", kMaxGridYZ));
   DATTN_CHECK_ARG(blk.heads >= 0 && blk.heads <= 0x7fffffff, "heads", blk.heads, "0 to 2^31 - 1");
   DATTN_CHECK_ARG(blk.seq_kv >= 0, "seq_kv", blk.seq_kv, ">= 0");
   DATTN_CHECK_ARG(blk.latent >= 1 && blk.latent <= kMaxLatent, "latent", blk.latent,
-                  "1 to 1024 (the CUDA MLA decode kernel's limit)");
-  DATTN_CHECK_ARG(blk.rope >= 0 && blk.rope <= kMaxRope, "rope", blk.rope, "0 to 512");
+                  dattn::detail::cat("1 to ", kMaxLatent, " (the CUDA MLA decode kernel's limit)"));
+  DATTN_CHECK_ARG(blk.rope >= 0 && blk.rope <= kMaxRope, "rope", blk.rope,
+                  dattn::detail::cat("0 to ", kMaxRope));
   DATTN_CHECK_ARG(blk.left >= -1, "left", blk.left, ">= 0 (or -1: unlimited)");
   DATTN_CHECK_ARG(blk.right >= -1, "right", blk.right, ">= 0 (or -1: unlimited)");
   DATTN_CHECK_ARG(blk.q_pos0 >= 0, "q_pos0", blk.q_pos0, ">= 0");

@@ -1,13 +1,14 @@
-// The absorbed-MLA decode step on CUDA (the math of mla_decode_local, src/mla.h): scores against
-// the shared latent cache, softmax, and the softmax-weighted latent z per head
-// (mla_decode_forward); and the whole step of one rank's slice with the absorption of W_UK into
-// the query before it and W_UV applied to z after it (mla_absorbed_decode, what mla_decode runs
-// on GPU tensors).
+// The absorbed-MLA decode step on CUDA (the math of kernels/cpu/mla_cpu.h): scores against the
+// shared latent cache, softmax, and the softmax-weighted latent z per head (mla_decode_forward);
+// and the whole step of one rank's slice with the absorption of W_UK into the query before it and
+// W_UV applied to z after it (mla_absorbed_decode, what mla_decode runs on GPU tensors).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "kernels/mla_block.h"
 
 namespace dattn::cuda {
 
@@ -31,33 +32,13 @@ struct MlaDecodeBlock {
 
 // scores_h[j] = scale * (q~_h . c_j + q_pe_h . k_pe_j) over the visible j; writes (not merges)
 // z [batch, seq_q, heads, latent] = softmax(scores_h) . c and lse [batch, heads, seq_q] (natural
-// log-sum-exp of the scores); a query that sees no cache row gets z = 0, lse = -inf. latent is at
-// most 1024 and rope at most 512. Validated before launch (dattn::Error naming the field);
+// log-sum-exp of the scores); a query that sees no cache row gets z = 0, lse = -inf. latent and
+// rope within kernels/cuda/limits.h. Validated before launch (dattn::Error naming the field);
 // asynchronous on `stream`.
 void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStream_t stream);
 
-// The whole absorbed decode of one rank's slice (src/mla.cpp, absorbed_decode) on the device:
-// heads h0 .. h0 + nh, latent columns lat0 .. lat0 + nlat, RoPE columns rope0 .. rope0 + nrope.
-// All fp32, contiguous, on the device:
-//   q_nope [batch, seq_q, heads_all, qk_nope], q_pe [batch, seq_q, heads_all, rope_all]
-//   w_uk [heads_all, qk_nope, latent_all], w_uv [heads_all, v_head, latent_all]
-//   c_kv [batch, seq_kv, nlat] and k_pe [batch, seq_kv, nrope]: the slice's cache columns
-struct MlaAbsorbedBlock {
-  const float* q_nope = nullptr;
-  const float* q_pe = nullptr;
-  const float* w_uk = nullptr;
-  const float* w_uv = nullptr;
-  const float* c_kv = nullptr;
-  const float* k_pe = nullptr;
-  int64_t batch = 0, seq_q = 0, seq_kv = 0;
-  int64_t heads_all = 0, qk_nope = 0, rope_all = 0, latent_all = 0, v_head = 0;
-  int64_t h0 = 0, nh = 0, lat0 = 0, nlat = 0, rope0 = 0, nrope = 0;
-  int64_t q_pos0 = 0;
-  float scale = 1.f;  // the slice's logit scale (the MLA scale, times G for scaled TPLA)
-  int64_t left = -1, right = 0;
-};
-
-// Three steps on `stream`: q~_h = W_UK_h[:, slice]^T q_nope_h (and the slice's q_pe columns), the
+// The whole absorbed decode of one rank's slice (kernels/mla_block.h) on the device, in three
+// steps on `stream`: q~_h = W_UK_h[:, slice]^T q_nope_h (and the slice's q_pe columns), the
 // decode kernel above, out_h = W_UV_h[:, slice] z_h. Writes (not adds) out [batch, seq_q,
 // out_heads, v_head] at heads out_h0 .. out_h0 + nh, and lse [batch, nh, seq_q] unless null; a
 // query that sees no cache row gets out = 0, lse = -inf. Its scratch (the absorbed queries and z)

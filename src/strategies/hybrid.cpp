@@ -6,11 +6,11 @@
 // all-to-all, out and lse in the other. The backward is the same with the all-to-alls
 // transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back.
 // The forward runs unchanged on host and GPU tensors: its buffers live on q's device, the packing
-// goes through src/device_ops.h, and attend_runs picks the kernel.
+// goes through src/dispatch.h, and attend_runs picks the kernel.
 #include <vector>
 
 #include "src/base/error.h"
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 #include "src/strategies/strategies.h"
 
 namespace dattn {

@@ -8,11 +8,11 @@
 // its partial exactly once (B * S_q * H * (D_v + 1) floats), the least any scheme can send; a
 // reduce would first need a max of lse on every rank (one more round) to rescale before summing.
 // Both phases run unchanged on host and GPU tensors: buffers live on the Runtime's device and the
-// copies and the merge go through src/device_ops.h.
+// copies and the merge go through src/dispatch.h.
 #include "src/star.h"
 #include "src/base/error.h"
 #include "src/check_finite.h"
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 #include "src/strategies/strategies.h"
 #include "src/validate.h"
 
@@ -42,7 +42,7 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
   const Device dev = rt.device();
   agree_on_validation(comm, "star prefill", hash_mix(hash, uint64_t(anchor)), [&] {
     check_qkv(q, k, v, spec, &dev);
-    if (!dev.is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
+    check_attention_limits(dev, q.dtype(), spec, q.size(0));
     DATTN_CHECK_ARG(layout.kind() == Layout::Kind::blocks, "layout", layout.str(),
                     "Layout::blocks(S, P, b) (star attention places whole blocks)");
     DATTN_CHECK_ARG(layout.ranks() == P, "layout ranks", layout.ranks(), P);
@@ -112,7 +112,7 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
                     detail::cat(dev.str(), " (the Runtime's device)"));
     DATTN_CHECK_ARG(cache.device() == dev, "cache device", cache.device().str(),
                     detail::cat(dev.str(), " (the Runtime's device)"));
-    if (!dev.is_cpu()) check_cuda_kernel_limits(q.dtype(), spec, q.size(0));
+    check_attention_limits(dev, q.dtype(), spec, q.size(0));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(

@@ -711,7 +711,7 @@ TEST(CudaMlaDecode, AbsorbedSliceMatchesFloat64Reference) {
     std::vector<float> out(n_out, 7.f);  // heads outside the slice must keep this
     DeviceBuffer d_out(out.data(), n_out * 4), d_lse(n_lse * 4);
     const float scale = 1.f / std::sqrt(float(dn + dr));
-    cuda::MlaAbsorbedBlock p;
+    MlaAbsorbedBlock p;
     p.q_nope = d_qn.get<float>();
     p.q_pe = d_qp.get<float>();
     p.w_uk = d_wuk.get<float>();

@@ -1,8 +1,8 @@
-// Tests of the device-dispatching helpers (src/device_ops.h) on the host: the path every CPU run
+// Tests of the dispatch layer (src/dispatch.h) on the host: the path every CPU run
 // takes (the KV cache's row copies, the tree decode's copy and weighting), against the plain
 // loops and movement::host calls they stand for, bit for bit. The GPU path runs in
 // tests/gpu/test_gpu_{attention,decode,star}.cpp.
-#include "src/device_ops.h"
+#include "src/dispatch.h"
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@ using test::random_bytes;
 
 // copy_rows between host buffers: every batch entry's rows land at dst_row0.. and nothing else
 // changes, for row sizes that are not multiples of a word.
-TEST(DeviceOpsHost, CopyRowsMovesExactlyTheRows) {
+TEST(DispatchHost, CopyRowsMovesExactlyTheRows) {
   const Device cpu = Device::cpu();
   for (size_t row : {size_t(1), size_t(6), size_t(96), size_t(258)}) {
     const int64_t batch = 3, src_seq = 7, dst_seq = 11, rows = 4, src_row0 = 2, dst_row0 = 5;
@@ -42,7 +42,7 @@ TEST(DeviceOpsHost, CopyRowsMovesExactlyTheRows) {
   EXPECT_NO_THROW(copy_rows(nullptr, cpu, 4, 0, nullptr, cpu, 4, 0, 0, 4, 16));
 }
 
-TEST(DeviceOpsHost, CopyBytes) {
+TEST(DispatchHost, CopyBytes) {
   const auto src = random_bytes(1001, 3);
   std::vector<unsigned char> dst(src.size(), 0);
   copy_bytes(dst.data(), src.data(), src.size(), Device::cpu());
@@ -52,7 +52,7 @@ TEST(DeviceOpsHost, CopyBytes) {
 
 // weigh_partial / unweigh_partial on the host are movement::host's, bit for bit, with an empty
 // row (lse = -inf) among them; the round trip of one rank's partial gives it back.
-TEST(DeviceOpsHost, WeighAndUnweighAreMovementHost) {
+TEST(DispatchHost, WeighAndUnweighAreMovementHost) {
   const int64_t B = 2, S = 3, H = 4, Dv = 5;
   const size_t rows = size_t(B * H * S), n_out = size_t(B * S * H * Dv);
   std::mt19937 gen(7);
@@ -87,7 +87,7 @@ TEST(DeviceOpsHost, WeighAndUnweighAreMovementHost) {
 
 // pack_rows / unpack_rows on the host (the Ulysses all-to-all's packing): the strided rows in
 // order, and back, bit for bit; a block of no rows touches nothing.
-TEST(DeviceOpsHost, PackAndUnpackRows) {
+TEST(DispatchHost, PackAndUnpackRows) {
   const int64_t outer = 3, inner = 4;
   const size_t row = 10, inner_stride = 26, outer_stride = 4 * inner_stride + 7;
   const auto src = random_bytes(size_t(outer) * outer_stride, 4);
@@ -111,7 +111,7 @@ TEST(DeviceOpsHost, PackAndUnpackRows) {
 }
 
 // merge_partials on the host is movement::host's, bit for bit, with an empty row on each side.
-TEST(DeviceOpsHost, MergePartialsIsMovementHost) {
+TEST(DispatchHost, MergePartialsIsMovementHost) {
   const int64_t B = 2, S = 3, H = 2, Dv = 5;
   const size_t rows = size_t(B * H * S), n_out = size_t(B * S * H * Dv);
   std::mt19937 gen(9);
@@ -132,20 +132,23 @@ TEST(DeviceOpsHost, MergePartialsIsMovementHost) {
   EXPECT_NE(std::memcmp(got_lse.data(), lse_a.data(), rows * 4), 0);  // it did merge
 }
 
-TEST(DeviceOpsHost, CudaKernelLimitsNameTheValue) {
+TEST(DispatchHost, CudaKernelLimitsNameTheValue) {
   AttnSpec spec;
   spec.heads_q = 8;
   spec.heads_kv = 2;
   spec.head_dim = 128;
-  EXPECT_NO_THROW(check_cuda_kernel_limits(DType::bf16, spec, 4));
-  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f32, spec, 4); },
-                                  {"dtype", "fp32", "bf16 or fp16"}));
+  EXPECT_NO_THROW(check_attention_limits(Device::cuda(0), DType::bf16, spec, 4));
+  EXPECT_TRUE(
+      test::throws_naming([&] { check_attention_limits(Device::cuda(0), DType::f32, spec, 4); },
+                          {"dtype", "fp32", "bf16 or fp16"}));
   spec.head_dim = 512;
-  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f16, spec, 4); },
-                                  {"head_dim", "512", "at most 256"}));
+  EXPECT_TRUE(
+      test::throws_naming([&] { check_attention_limits(Device::cuda(0), DType::f16, spec, 4); },
+                          {"head_dim", "512", "at most 256"}));
   spec.head_dim = 128;
-  EXPECT_TRUE(test::throws_naming([&] { check_cuda_kernel_limits(DType::f16, spec, 70000); },
-                                  {"batch", "70000"}));
+  EXPECT_TRUE(
+      test::throws_naming([&] { check_attention_limits(Device::cuda(0), DType::f16, spec, 70000); },
+                          {"batch", "70000"}));
 }
 
 }  // namespace

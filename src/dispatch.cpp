@@ -1,0 +1,315 @@
+// The dispatch layer (src/dispatch.h): the CPU kernels, memcpy and movement::host for host
+// memory; the CUDA kernels, the CUDA runtime and movement::cuda for GPU memory, on the legacy
+// default stream. The one file of src/ that picks a kernel by the device.
+#include "src/dispatch.h"
+
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cpu/attention_backward_cpu.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/mla_cpu.h"
+#include "kernels/cuda/limits.h"
+#include "kernels/merge.h"
+#include "kernels/movement/movement.h"
+#include "src/base/error.h"
+#if DATTN_WITH_CUDA
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/mla_decode_cuda.h"
+#include "src/base/cuda_check.h"
+#endif
+
+namespace dattn {
+
+#if !DATTN_WITH_CUDA
+namespace {
+// The error of a GPU pointer in a build without the CUDA backend (such tensors cannot be made
+// there, so this names a caller's bug rather than a user's choice).
+[[noreturn]] void no_cuda(Device device) {
+  DATTN_THROW("invalid device = ", device.str(), ": this build has no CUDA backend");
+}
+}  // namespace
+#endif
+
+void copy_bytes(void* dst, const void* src, size_t bytes, Device device) {
+  if (bytes == 0) return;  // an empty buffer may have no data (memcpy takes no null)
+  if (device.is_cpu()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  // Stream-ordered with the kernel that wrote src and the NCCL call that reads dst (header).
+  DATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+#else
+  no_cuda(device);
+#endif
+}
+
+void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, const void* src,
+               Device src_device, int64_t src_seq, int64_t src_row0, int64_t batch, int64_t rows,
+               size_t row_bytes) {
+  if (rows == 0 || batch == 0) return;  // an empty shard's tensors may have no data
+  char* d = static_cast<char*>(dst) + size_t(dst_row0) * row_bytes;
+  const char* s = static_cast<const char*>(src) + size_t(src_row0) * row_bytes;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    for (int64_t b = 0; b < batch; ++b)
+      std::memcpy(d + size_t(b * dst_seq) * row_bytes, s + size_t(b * src_seq) * row_bytes,
+                  size_t(rows) * row_bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  // One 2-D copy: `batch` blocks of rows * row_bytes contiguous bytes, at pitches of a batch
+  // entry on each side. cudaMemcpyDefault: unified addressing tells host from device pointers.
+  // Synchronous for pageable host memory, and on the legacy default stream (the kernels'), so a
+  // decode step queued after it sees the rows. cudaMemcpy2D takes pitches below 2^31 bytes only
+  // (cudaDevAttrMaxPitch); a batch entry of a long cache may be larger: one copy per entry then.
+  const size_t dst_pitch = size_t(dst_seq) * row_bytes, src_pitch = size_t(src_seq) * row_bytes;
+  const size_t width = size_t(rows) * row_bytes;
+  constexpr size_t kMaxPitch = (size_t(1) << 31) - 1;
+  if (batch == 1 || dst_pitch > kMaxPitch || src_pitch > kMaxPitch) {
+    for (int64_t b = 0; b < batch; ++b)
+      DATTN_CUDA_CHECK(cudaMemcpy(d + size_t(b) * dst_pitch, s + size_t(b) * src_pitch, width,
+                                  cudaMemcpyDefault));
+    return;
+  }
+  DATTN_CUDA_CHECK(
+      cudaMemcpy2D(d, dst_pitch, s, src_pitch, width, size_t(batch), cudaMemcpyDefault));
+#else
+  no_cuda(dst_device.is_cpu() ? src_device : dst_device);
+#endif
+}
+
+void pack_rows(Device device, void* buf, const void* src, int64_t outer, int64_t inner,
+               size_t outer_stride, size_t inner_stride, size_t row_bytes) {
+  if (device.is_cpu()) {
+    movement::host::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void unpack_rows(Device device, void* dst, const void* buf, int64_t outer, int64_t inner,
+                 size_t outer_stride, size_t inner_stride, size_t row_bytes) {
+  if (device.is_cpu()) {
+    movement::host::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes,
+                              nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void merge_partials(Device device, float* out_a, float* lse_a, const float* out_b,
+                    const float* lse_b, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
+  if (device.is_cpu()) {
+    movement::host::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void weigh_partial(Device device, float* packed, const float* out, const float* lse, const float* m,
+                   int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
+  if (device.is_cpu()) {
+    movement::host::weigh_partial(packed, out, lse, m, batch, seq, heads, dv);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::weigh_partial(packed, out, lse, m, batch, seq, heads, dv, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+void unweigh_partial(Device device, float* out, float* lse, const float* packed, const float* m,
+                     int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
+  if (device.is_cpu()) {
+    movement::host::unweigh_partial(out, lse, packed, m, batch, seq, heads, dv);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::unweigh_partial(out, lse, packed, m, batch, seq, heads, dv, nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
+// ================================================================== kernels
+
+void clear_partial(Partial& p) {
+  if (p.out.device().is_cpu()) {
+    clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), p.out.size(0), p.out.size(1),
+                  p.out.size(2), p.out.size(3));
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::clear_partial(p.out.ptr<float>(), p.out.numel(), p.lse.ptr<float>(),
+                                p.lse.numel(), nullptr);
+#else
+  no_cuda(p.out.device());
+#endif
+}
+
+Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
+  const int64_t B = q.size(0), S = q.size(1);
+  Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32, q.device()),
+            Tensor::empty({B, spec.heads_q, S}, DType::f32, q.device())};
+  clear_partial(p);
+  return p;
+}
+
+namespace {
+// The kernel arguments shared by every block of one call (cpu:: or cuda::AttentionBlock, both a
+// BlockOfWork): tensors, shapes, scale, and the CPU block's mask (the GPU's is set by the caller:
+// its documents live in device memory).
+template <typename Block>
+Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
+                 const AttnSpec& spec) {
+  Block blk;
+  blk.q = q.data();
+  blk.k = k;
+  blk.v = v;
+  blk.dtype = q.dtype();
+  blk.batch = q.size(0);
+  blk.seq_q = q.size(1);
+  blk.seq_k = k_rows;
+  blk.heads_q = spec.heads_q;
+  blk.heads_kv = spec.heads_kv;
+  blk.head_dim = spec.head_dim;
+  blk.head_dim_v = spec.dim_v();
+  blk.scale = spec.scale();
+  if constexpr (std::is_same_v<Block, cpu::AttentionBlock>) blk.mask = spec.mask;
+  return blk;
+}
+
+// Points blk at the query run qr and the key run kr (rows and global positions).
+void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
+  blk.q_begin = qr.local_begin;
+  blk.q_len = qr.length;
+  blk.q_pos0 = qr.global_begin;
+  blk.q_pos_stride = qr.stride;
+  blk.q_pos_block = qr.block;
+  blk.k_begin = kr.local_begin;
+  blk.k_len = kr.length;
+  blk.k_pos0 = kr.global_begin;
+  blk.k_pos_stride = kr.stride;
+  blk.k_pos_block = kr.block;
+}
+
+#if DATTN_WITH_CUDA
+// attend_runs on a GPU, on the legacy default stream (the header says why). A kernel queued after
+// Communicator::start() overlaps the messages of its own step (src/strategies/ring.cpp).
+void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                      int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
+                      Partial& res) {
+  auto blk = make_block<cuda::AttentionBlock>(q, k, v, k_rows, spec);
+  // The kernel reads document boundaries from device memory: one copy per call.
+  Tensor cu_seqlens;
+  if (spec.mask.documents) {
+    const std::vector<int64_t>& docs = *spec.mask.documents;
+    cu_seqlens = byte_buffer(docs.size() * sizeof(int64_t), q.device());
+    DATTN_CUDA_CHECK(cudaMemcpy(cu_seqlens.data(), docs.data(), docs.size() * sizeof(int64_t),
+                                cudaMemcpyHostToDevice));
+  }
+  cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
+      set_runs(blk, qr, kr);
+      cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+    }
+  }
+  // The kernels read cu_seqlens until they finish; its storage is freed on return, in the order
+  // of the default stream where they run (src/base/tensor.h): after them, without a host wait.
+}
+#endif
+
+// The host-only kernels (the backward): an error naming the device of a GPU tensor.
+void require_host(const Tensor& t, const char* name, const char* what) {
+  DATTN_CHECK_ARG(t.device().is_cpu(), detail::cat(name, " device"), t.device().str(),
+                  detail::cat("cpu (", what, " has no CUDA kernel)"));
+}
+}  // namespace
+
+void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                 int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
+                 Partial& res) {
+  if (!q.device().is_cpu()) {
+#if DATTN_WITH_CUDA
+    attend_runs_cuda(q, q_runs, k, v, k_rows, k_runs, spec, res);
+    return;
+#else
+    no_cuda(q.device());
+#endif
+  }
+  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
+      set_runs(blk, qr, kr);
+      cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+    }
+  }
+}
+
+void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
+                   int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
+                   const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
+                   float* dv) {
+  require_host(q, "q", "the backward");
+  auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
+  for (const Run& qr : q_runs) {
+    for (const Run& kr : k_runs) {
+      set_runs(blk, qr, kr);
+      cpu::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv);
+    }
+  }
+}
+
+Tensor backward_delta(const Tensor& dout, const Tensor& out) {
+  require_host(dout, "dout", "the backward");
+  const int64_t B = out.size(0), S = out.size(1), H = out.size(2);
+  Tensor delta = Tensor::empty({B, H, S}, DType::f32);
+  cpu::attention_backward_delta(dout.data(), dout.dtype(), out.ptr<float>(), B, S, H, out.size(3),
+                                delta.ptr<float>());
+  return delta;
+}
+
+void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask& mask, float* out,
+                         int64_t out_heads, int64_t out_h0, float* lse) {
+  if (device.is_cpu()) {
+    cpu::mla_absorbed_decode(blk, mask, out, out_heads, out_h0, lse);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  DATTN_ASSERT(!mask.documents);  // refused by check_mla_limits
+  cuda::mla_absorbed_decode(blk, out, out_heads, out_h0, lse, nullptr);
+#else
+  (void)blk, (void)mask, (void)out, (void)out_heads, (void)out_h0, (void)lse;
+  no_cuda(device);
+#endif
+}
+
+// ================================================================== kernel limits
+
+void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch) {
+  if (device.is_cpu()) return;
+  cuda::check_attention_limits(dtype, spec.head_dim, spec.dim_v(), batch, spec.heads_q);
+}
+
+void check_mla_limits(Device device, const Mask& mask, int64_t nlat, int64_t nrope, int64_t batch,
+                      int64_t seq_q, int64_t qk_nope) {
+  if (device.is_cpu()) return;
+  cuda::check_mla_limits(bool(mask.documents), mask.str(), nlat, nrope, batch, seq_q, qk_nope);
+}
+
+}  // namespace dattn

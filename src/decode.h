@@ -54,6 +54,8 @@ class KvCache {
   int64_t capacity() const { return capacity_; }
   Placement placement() const { return placement_; }
   Device device() const { return k_.device(); }
+  size_t k_row_bytes() const;  // bytes of one token's K (H_kv * D values) in one batch entry
+  size_t v_row_bytes() const;  // and of its V
   int ranks() const { return ranks_; }
   int rank() const { return rank_; }
   uint64_t hash() const;  // spec, batch, dtype, placement, length: must match across ranks

@@ -6,6 +6,7 @@
 
 #include "collective/communicator.h"
 #include "src/attention.h"
+#include "src/decode.h"
 #include "src/dispatch.h"
 
 namespace dattn {
@@ -34,6 +35,21 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
                                     const Tensor& k, const Tensor& v, const Tensor& dout,
                                     const float* lse, const float* delta, const AttnSpec& spec,
                                     const Layout& layout, int cp_rank);
+
+// ------------------------------------------------------------------ decode (decode.cpp)
+// One step of dattn::decode after validation: q [B, S_q, H_q, D] at the positions q_runs, the
+// same on every rank; every rank returns the whole result.
+
+// Tree: this rank's partial against its shard, then a max-allreduce of lse and a sum-allreduce of
+// [w * out | w] (two levels when rt.spans_nodes()).
+Partial tree_decode(Runtime& rt, const Tensor& q, const std::vector<Run>& q_runs,
+                    const KvCache& cache);
+// Ring (pass-KV): the shards rotate around comm's ranks; partials merged in rank order.
+Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
+                    const KvCache& cache);
+// Allgather: every rank gathers every shard, then attends to all of them.
+Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
+                         const KvCache& cache);
 
 // Shape, dtype and spec checks of this rank's q, k, v (throws dattn::Error naming the field).
 // device: the device they must all be on (the Runtime's); null: the host (an entry point

@@ -40,56 +40,6 @@ Strategy parse_strategy(const std::string& name) {
   DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses, hybrid, tree or allgather");
 }
 
-// Shape and dtype checks of q, k, v against the spec (local: each rank checks its own).
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
-               const Device* device) {
-  spec.validate();
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
-    DATTN_CHECK_ARG(t->dim() == 4, detail::cat(name, " rank"), t->dim(),
-                    "4 dimensions [batch, seq, heads, head_dim]");
-    if (device == nullptr)
-      DATTN_CHECK_ARG(t->device().is_cpu(), detail::cat(name, " device"), t->device().str(),
-                      "cpu (this entry point has no CUDA path yet)");
-    else
-      DATTN_CHECK_ARG(t->device() == *device, detail::cat(name, " device"), t->device().str(),
-                      detail::cat(device->str(), " (the Runtime's device)"));
-    DATTN_CHECK_ARG(t->dtype() == q.dtype(), detail::cat(name, " dtype"), dtype_name(t->dtype()),
-                    detail::cat(dtype_name(q.dtype()), " (the dtype of q)"));
-    DATTN_CHECK_ARG(t->size(0) == q.size(0), detail::cat(name, " batch"), t->size(0),
-                    detail::cat(q.size(0), " (the batch of q)"));
-    DATTN_CHECK_ARG(t->data() != nullptr || t->numel() == 0, detail::cat(name, " data"), "nullptr",
-                    "a valid pointer");
-  }
-  DATTN_CHECK_ARG(q.size(0) > 0, "batch", q.size(0), "> 0");
-  DATTN_CHECK_ARG(q.size(2) == spec.heads_q, "q heads", q.size(2),
-                  detail::cat(spec.heads_q, " (spec.heads_q)"));
-  DATTN_CHECK_ARG(q.size(3) == spec.head_dim, "q head_dim", q.size(3),
-                  detail::cat(spec.head_dim, " (spec.head_dim)"));
-  DATTN_CHECK_ARG(k.size(2) == spec.heads_kv, "k heads", k.size(2),
-                  detail::cat(spec.heads_kv, " (spec.heads_kv)"));
-  DATTN_CHECK_ARG(k.size(3) == spec.head_dim, "k head_dim", k.size(3),
-                  detail::cat(spec.head_dim, " (spec.head_dim)"));
-  DATTN_CHECK_ARG(v.size(2) == spec.heads_kv, "v heads", v.size(2),
-                  detail::cat(spec.heads_kv, " (spec.heads_kv)"));
-  DATTN_CHECK_ARG(v.size(3) == spec.dim_v(), "v head_dim", v.size(3),
-                  detail::cat(spec.dim_v(), " (spec.head_dim_v)"));
-  DATTN_CHECK_ARG(v.size(1) == k.size(1), "v seq", v.size(1),
-                  detail::cat(k.size(1), " (the seq of k)"));
-}
-
-uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
-                               DType dtype, int64_t batch) {
-  uint32_t scale_bits;
-  float scale = spec.scale();
-  std::memcpy(&scale_bits, &scale, 4);
-  uint64_t h = kHashSeed;
-  for (uint64_t x : {uint64_t(spec.heads_q), uint64_t(spec.heads_kv), uint64_t(spec.head_dim),
-                     uint64_t(spec.dim_v()), uint64_t(scale_bits), spec.mask.hash(), layout.hash(),
-                     uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})
-    h = hash_mix(h, x);
-  return h;
-}
-
 namespace {
 // The Ulysses degree of a call: ring 1, ulysses every cp rank, hybrid the runtime's groups.
 int ulysses_degree_of(Runtime& rt, Strategy strategy) {

@@ -158,4 +158,58 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
   return bytes;
 }
 
+// ================================================================== star attention
+
+int64_t star_anchor_len(const Layout& layout, int64_t anchor) {
+  const int64_t a = anchor < 0 ? layout.block() : anchor;
+  return std::min(a, layout.global_seq());  // a context shorter than the anchor is all anchor
+}
+
+int star_anchor_root(const Layout& layout) {
+  for (int r = 0; r < layout.ranks(); ++r)
+    if (layout.local_len(r) > 0) return r;
+  return 0;
+}
+
+uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                 DType dtype, int64_t anchor, int rank) {
+  const int64_t a = star_anchor_len(layout, anchor);
+  if (layout.ranks() == 1 || a == 0 || rank != star_anchor_root(layout)) return 0;
+  return uint64_t(batch * a * spec.heads_kv * (spec.head_dim + spec.dim_v())) * dtype_size(dtype);
+}
+
+uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank) {
+  const int P = cache.ranks();
+  if (P == 1) return 0;
+  const AttnSpec& spec = cache.spec();
+  const uint64_t rows = uint64_t(cache.batch() * s_q * spec.heads_q);
+  if (rank == P - 1)  // the query broadcast
+    return rows * uint64_t(spec.head_dim) * dtype_size(cache.dtype());
+  return rows * uint64_t(spec.dim_v() + 1) * sizeof(float);  // this rank's partial, gathered
+}
+
+double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
+                          int rank) {
+  const int64_t a = star_anchor_len(layout, anchor), b = layout.block();
+  const Mask& m = spec.mask;
+  // Visible keys of the query at p among positions [lo, hi] under the band.
+  auto count = [&](int64_t p, int64_t lo, int64_t hi) {
+    lo = m.left < 0 ? lo : std::max(lo, p - m.left);
+    hi = m.right < 0 ? hi : p + std::min(m.right, hi - p);  // not p + right: it may overflow
+    return double(std::max<int64_t>(0, hi - lo + 1));
+  };
+  double pairs = 0;
+  for (const Run& run : layout.runs(rank)) {
+    for (int64_t off = 0; off < run.length; off += b) {
+      const int64_t first = run.global_begin + off;
+      const int64_t last = first + std::min(b, run.length - off) - 1;
+      for (int64_t p = first; p <= last; ++p) {
+        pairs += count(p, first, last);                       // the block itself
+        if (first > 0 && a > 0) pairs += count(p, 0, a - 1);  // the anchor
+      }
+    }
+  }
+  return pairs * 2.0 * double(spec.head_dim + spec.dim_v()) * double(spec.heads_q * batch);
+}
+
 }  // namespace dattn

@@ -7,6 +7,7 @@
 #include "src/attention.h"
 #include "src/base/dtype.h"
 #include "src/base/spec.h"
+#include "src/decode.h"
 #include "src/layout.h"
 
 namespace dattn {
@@ -55,5 +56,23 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
 // next rank: some rank it has still to reach holds a query that sees it. Shared by the ring
 // schedule and its byte model.
 bool ring_forwards(const Layout& layout, const Mask& mask, int origin, int step);
+
+// ------------------------------------------------------------------ star attention (src/star.h)
+
+// The anchor of a star_prefill call: its length (anchor -1: the block; at most the context), and
+// the cp rank that holds it (the first with a block).
+int64_t star_anchor_len(const Layout& layout, int64_t anchor);
+int star_anchor_root(const Layout& layout);
+
+// Bytes `rank` sends: phase 1 (the anchor broadcast, root only) and one phase-2 step (the query
+// broadcast from the query rank, then every other rank's partial gathered there).
+uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
+                                 DType dtype, int64_t anchor, int rank);
+uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank);
+
+// Phase-1 FLOPs of `rank` (exact visible pairs: each of its blocks causally, plus every token
+// of a block but the first against the anchor).
+double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
+                          int rank);
 
 }  // namespace dattn

@@ -13,6 +13,7 @@
 #include "src/attention.h"
 #include "src/decode.h"
 #include "src/layout.h"
+#include "src/models.h"
 #include "src/runtime.h"
 
 namespace dattn {
@@ -21,9 +22,9 @@ namespace dattn {
 // anchor: how many of the context's first tokens prefix every block (0 .. b; -1: b); block 0
 // holds them and attends to itself alone. Every block is independent of the others, also on
 // the same rank (so with b >= S it is exact causal attention). Returns this rank's out and
-// lse. Collective
-// over rt.cp(): one broadcast of the anchor's K/V from rank 0 (see star.cpp for why not
-// recomputation). Bad block or anchor sizes throw dattn::Error on every rank.
+// lse. Collective over rt.cp(): one broadcast of the anchor's K/V from the rank that holds them
+// (src/strategies/star.cpp says why not recomputation). Bad block or anchor sizes throw
+// dattn::Error on every rank.
 Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                      const AttnSpec& spec, const Layout& layout, int64_t anchor = -1);
 
@@ -34,15 +35,7 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
 // merged result on the query rank; the other ranks return an empty Partial. Collective.
 Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache);
 
-// Bytes `rank` sends: phase 1 (the anchor broadcast, root only) and one phase-2 step (the query
-// broadcast from the query rank, then every other rank's partial gathered there).
-uint64_t star_prefill_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch,
-                                 DType dtype, int64_t anchor, int rank);
-uint64_t star_decode_send_bytes(const KvCache& cache, int64_t s_q, int rank);
-
-// Phase-1 FLOPs of `rank` (exact visible pairs: each of its blocks causally, plus every token
-// of a block but the first against the anchor).
-double star_prefill_flops(const Layout& layout, const AttnSpec& spec, int64_t batch, int64_t anchor,
-                          int rank);
+// The byte and FLOP models of both phases (star_prefill_send_bytes, star_decode_send_bytes,
+// star_prefill_flops) are in src/models.h.
 
 }  // namespace dattn

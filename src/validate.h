@@ -1,5 +1,6 @@
 // Validation that all ranks agree on: a failure on any rank becomes the same dattn::Error on
-// every rank, before any data moves, so that no rank is left waiting in a collective.
+// every rank, before any data moves, so that no rank is left waiting in a collective. And the
+// checks the entry points (attention, star) share.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,7 @@
 #include <string>
 
 #include "collective/communicator.h"
+#include "src/attention.h"
 
 namespace dattn {
 
@@ -27,5 +29,14 @@ inline uint64_t hash_mix(uint64_t h, uint64_t x) {
   return h;
 }
 inline constexpr uint64_t kHashSeed = 1469598103934665603ull;
+
+// Shape, dtype and spec checks of this rank's q, k, v (throws dattn::Error naming the field).
+// device: the device they must all be on (the Runtime's); null: the host (an entry point
+// without a CUDA path).
+void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
+               const Device* device = nullptr);
+// The hash of what must match on every rank of an attention call.
+uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
+                               DType dtype, int64_t batch);
 
 }  // namespace dattn

@@ -51,13 +51,16 @@ Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>&
 Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
                          const KvCache& cache);
 
-// Shape, dtype and spec checks of this rank's q, k, v (throws dattn::Error naming the field).
-// device: the device they must all be on (the Runtime's); null: the host (an entry point
-// without a CUDA path).
-void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
-               const Device* device = nullptr);
-// The hash of what must match on every rank of an attention call.
-uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strategy strategy,
-                               DType dtype, int64_t batch);
+// ------------------------------------------------------------------ star (star.cpp)
+
+// Phase 1 of star_prefill (src/star.h): the anchor broadcast from the rank that holds it, then
+// every block of this rank attends to [anchor | itself], causally.
+Partial star_attention_prefill(Communicator& comm, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const AttnSpec& spec, const Layout& layout,
+                               int64_t anchor);
+// One phase-2 step of star_decode: the query broadcast from the query rank (the last), every
+// rank's partial against its cache, gathered and merged at the query rank (the others return an
+// empty Partial).
+Partial star_attention_decode(Communicator& comm, const Tensor& q, const KvCache& cache);
 
 }  // namespace dattn

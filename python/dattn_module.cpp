@@ -262,10 +262,8 @@ Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k
     d.q = as_tensor(q, "q");
     d.k = as_tensor(k, "k");
     d.v = as_tensor(v, "v");
-    d.strategy = dattn::parse_strategy(o.strategy);
-    DATTN_CHECK_ARG(d.strategy == dattn::Strategy::ring || d.strategy == dattn::Strategy::ulysses ||
-                        d.strategy == dattn::Strategy::hybrid,
-                    "strategy", o.strategy, "ring, ulysses or hybrid");
+    d.strategy =
+        dattn::parse_strategy(o.strategy);  // prefill schedules only: ring, ulysses, hybrid
     DATTN_CHECK_ARG(o.ulysses_degree >= 1, "ulysses_degree", o.ulysses_degree, ">= 1");
     d.spec = make_spec(o, d.q, d.k, d.v);
     more();

@@ -23,10 +23,6 @@ const char* strategy_name(Strategy s) {
       return "ulysses";
     case Strategy::hybrid:
       return "hybrid";
-    case Strategy::tree:
-      return "tree";
-    case Strategy::allgather:
-      return "allgather";
   }
   return "?";
 }
@@ -35,9 +31,9 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "ring") return Strategy::ring;
   if (name == "ulysses") return Strategy::ulysses;
   if (name == "hybrid") return Strategy::hybrid;
-  if (name == "tree") return Strategy::tree;
-  if (name == "allgather") return Strategy::allgather;
-  DATTN_THROW("invalid strategy = '", name, "': expected ring, ulysses, hybrid, tree or allgather");
+  DATTN_THROW("invalid strategy = '", name,
+              "': expected ring, ulysses or hybrid (tree, ring and allgather decode: "
+              "parse_decode_strategy)");
 }
 
 namespace {
@@ -59,9 +55,7 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
   check_attention_limits(q.device(), q.dtype(), spec, q.size(0));
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
-      "strategy", strategy_name(strategy),
-      "ring, ulysses or hybrid for attention (tree and allgather are decode "
-      "strategies: dattn::decode)");
+      "strategy", int(strategy), "ring, ulysses or hybrid");
   DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
                   detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
                               strategy_name(strategy)));

@@ -14,12 +14,12 @@
 
 namespace dattn {
 
-// ring: K/V blocks rotate around the cp ranks. ulysses: all-to-all from sequence shards to
-// head shards (needs heads_kv divisible by the cp ranks), local attention, all-to-all back.
-// hybrid: Ulysses inside groups of rt.ulysses_degree() ranks, ring across the groups (USP).
-// Decoding (src/decode.h): tree (allreduce of partials), ring (K/V shards rotate) and allgather
-// (every rank gathers the whole cache).
-enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2, tree = 3, allgather = 4 };
+// The prefill schedules of attention, attention_backward and the models (src/models.h). ring: K/V
+// blocks rotate around the cp ranks. ulysses: all-to-all from sequence shards to head shards
+// (needs heads_kv divisible by the cp ranks), local attention, all-to-all back. hybrid: Ulysses
+// inside groups of rt.ulysses_degree() ranks, ring across the groups (USP). The decode schedules
+// are another type, DecodeStrategy (src/decode.h).
+enum class Strategy : uint8_t { ring = 0, ulysses = 1, hybrid = 2 };
 const char* strategy_name(Strategy s);
 Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming the value
 
@@ -28,10 +28,11 @@ Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming
 // ranks agree on validation before any data moves), naming the parameter and the rank.
 //
 // Devices: q, k and v must be on rt.device(), and the result is there too. On a GPU runtime
-// (RuntimeOptions.device cuda) only Strategy::ring with bf16/fp16 runs so far (anything else
-// throws on every rank before any data moves); the result is complete in the order of the legacy
-// default stream (stream 0: a cudaMemcpy or to_device of it, or any kernel there, sees it; other
-// streams synchronise first). The non-finite check copies device tensors to the host to scan them.
+// (RuntimeOptions.device cuda) every strategy runs on bf16/fp16 within the CUDA kernel's limits
+// (kernels/cuda/limits.h; anything else throws on every rank before any data moves); the result
+// is complete in the order of the legacy default stream (stream 0: a cudaMemcpy or to_device of it,
+// or any kernel there, sees it; other streams synchronise first). The non-finite check copies
+// device tensors to the host to scan them.
 //
 // Non-finite inputs (README "Numerics"): NaN or inf where the mask hides it changes no result: a
 // row's out, lse (and dq) depend only on its own q (and dout) and the keys it sees, a key's dk
@@ -43,7 +44,7 @@ Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy = Strategy::ring);
 
-// Attention of one process over whole tensors (no communication): q at global positions
+// Attention of one process over whole host tensors (no communication): q at global positions
 // q_pos0.., k/v at k_pos0... It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q,
 // k, v (and dout, attention_local_backward) for NaN and inf.
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
@@ -56,7 +57,8 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
 // call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out
 // ([B, S_local, H_q, D_v], any storage dtype). Probabilities are recomputed blockwise from lse;
 // nothing of size S x S is stored. Gradients accumulate in fp32 in a fixed order, so repeated
-// calls give bit-identical results.
+// calls give bit-identical results. Host tensors only: the backward has no CUDA kernel (cuda
+// tensors throw on every rank before any data moves).
 Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                              const Layout& layout, Strategy strategy = Strategy::ring);

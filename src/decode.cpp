@@ -13,6 +13,25 @@
 
 namespace dattn {
 
+const char* strategy_name(DecodeStrategy s) {
+  switch (s) {
+    case DecodeStrategy::tree:
+      return "tree";
+    case DecodeStrategy::ring:
+      return "ring";
+    case DecodeStrategy::allgather:
+      return "allgather";
+  }
+  return "?";
+}
+
+DecodeStrategy parse_decode_strategy(const std::string& name) {
+  if (name == "tree") return DecodeStrategy::tree;
+  if (name == "ring") return DecodeStrategy::ring;
+  if (name == "allgather") return DecodeStrategy::allgather;
+  DATTN_THROW("invalid decode strategy = '", name, "': expected tree, ring or allgather");
+}
+
 const char* placement_name(Placement p) {
   return p == Placement::round_robin ? "round_robin" : "last_rank";
 }
@@ -158,15 +177,15 @@ uint64_t KvCache::hash() const {
 
 // ================================================================== the decode step
 
-Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy strategy) {
+Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, DecodeStrategy strategy) {
   Communicator& comm = rt.cp();
   const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;
   uint64_t hash = hash_mix(cache.hash(), uint64_t(strategy));
   hash = hash_mix(hash_mix(hash, uint64_t(q.dim() == 4 ? q.size(0) : 0)), uint64_t(Sq));
   agree_on_validation(comm, "decode step", hash, [&] {
-    DATTN_CHECK_ARG(
-        strategy == Strategy::tree || strategy == Strategy::ring || strategy == Strategy::allgather,
-        "strategy", strategy_name(strategy), "tree, ring or allgather for decode");
+    DATTN_CHECK_ARG(strategy == DecodeStrategy::tree || strategy == DecodeStrategy::ring ||
+                        strategy == DecodeStrategy::allgather,
+                    "strategy", int(strategy), "tree, ring or allgather for decode");
     DATTN_CHECK_ARG(cache.ranks() == comm.size() && cache.rank() == comm.rank(), "cache rank",
                     detail::cat(cache.rank(), " of ", cache.ranks()),
                     detail::cat(comm.rank(), " of ", comm.size(), " (this cp rank)"));
@@ -197,28 +216,29 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, Strategy stra
   // The new queries are the last S_q tokens of the context.
   const std::vector<Run> q_runs = {Run{0, cache.length() - Sq, 1, Sq}};
   switch (strategy) {
-    case Strategy::tree:
+    case DecodeStrategy::tree:
       return tree_decode(rt, q, q_runs, cache);
-    case Strategy::ring:
+    case DecodeStrategy::ring:
       return ring_decode(comm, q, q_runs, cache);
-    default:
-      return allgather_decode(comm, q, q_runs, cache);
+    case DecodeStrategy::allgather:
+      break;
   }
+  return allgather_decode(comm, q, q_runs, cache);
 }
 
-uint64_t decode_send_bytes(Strategy strategy, const KvCache& c, int64_t s_q, int node_size,
+uint64_t decode_send_bytes(DecodeStrategy strategy, const KvCache& c, int64_t s_q, int node_size,
                            int rank) {
   const int P = c.ranks();
   if (P == 1) return 0;  // one rank sends nothing, whatever the strategy
   const uint64_t per_token = uint64_t(c.spec().heads_kv * (c.spec().head_dim + c.spec().dim_v())) *
                              dtype_size(c.dtype()) * uint64_t(c.batch());
-  if (strategy == Strategy::ring) {
+  if (strategy == DecodeStrategy::ring) {
     uint64_t bytes = 0;
     for (int s = 0; s + 1 < P; ++s)
       bytes += uint64_t(c.local_len(((rank - s) % P + P) % P));
     return bytes * per_token;
   }
-  if (strategy == Strategy::allgather) return uint64_t(c.local_len(rank)) * per_token;
+  if (strategy == DecodeStrategy::allgather) return uint64_t(c.local_len(rank)) * per_token;
   // Tree: two reductions of fixed size, [B, H, S_q] and [B, S_q, H, D_v + 1] floats.
   const uint64_t rows = uint64_t(c.batch() * c.spec().heads_q * s_q);
   const uint64_t floats = rows + rows * uint64_t(c.spec().dim_v() + 1);

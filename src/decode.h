@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "src/attention.h"
@@ -12,6 +13,13 @@
 #include "src/runtime.h"
 
 namespace dattn {
+
+// The decode schedules (src/strategies/decode.cpp): tree (two fixed-size allreduces of the
+// ranks' partials), ring (K/V shards rotate) and allgather (every rank gathers the whole cache).
+// A type of their own: the prefill schedules are Strategy (src/attention.h).
+enum class DecodeStrategy : uint8_t { tree = 0, ring = 1, allgather = 2 };
+const char* strategy_name(DecodeStrategy s);
+DecodeStrategy parse_decode_strategy(const std::string& name);  // throws dattn::Error naming it
 
 // Which rank stores a decoded token: round_robin spreads new tokens over the ranks (token t of
 // the decoded ones on rank t % P) to keep shards balanced; last_rank puts them all on the last.
@@ -76,22 +84,23 @@ class KvCache {
 // length() - S_q .. length() - 1 (append the new tokens' K/V first, so they see themselves).
 // Collective over rt.cp(). Every rank returns the same whole result: out [B, S_q, H_q, D_v] and
 // lse [B, H_q, S_q], fp32. strategy: tree (two-level when rt.spans_nodes()), ring or allgather.
-// q and the cache are on rt.device(), and so is the result. On a GPU runtime only tree runs so far
-// (bf16/fp16, the CUDA kernel's limits; anything else throws on every rank before data moves); its
-// result is complete in the order of the legacy default stream, as dattn::attention's.
+// q and the cache are on rt.device(), and so is the result. On a GPU runtime every strategy runs
+// on bf16/fp16 within the CUDA kernel's limits (kernels/cuda/limits.h; anything else throws on
+// every rank before data moves); the result is complete in the order of the legacy default
+// stream, as dattn::attention's.
 // A cache's unused capacity is never read. With the non-finite check on (RuntimeOptions.
 // check_finite or DATTN_CHECK_FINITE=1), q and this rank's filled cache rows are scanned during
 // the agreed validation; a NaN or inf throws on every rank naming "q", "cache k" or "cache v",
 // the rank, the batch, global position, head, dim and value (device tensors are copied to the
 // host to be scanned).
 Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache,
-               Strategy strategy = Strategy::tree);
+               DecodeStrategy strategy = DecodeStrategy::tree);
 
 // Bytes `rank` sends in one decode step (validation excluded): tree sends fixed-size partials
 // ([B, H, S_q] lse and [B, S_q, H, D_v + 1] packed floats), independent of the context; ring
 // forwards K/V shards; allgather contributes its whole shard. node_size as in RuntimeOptions
 // (0 or >= ranks: one node, the flat tree).
-uint64_t decode_send_bytes(Strategy strategy, const KvCache& cache, int64_t s_q, int node_size,
-                           int rank);
+uint64_t decode_send_bytes(DecodeStrategy strategy, const KvCache& cache, int64_t s_q,
+                           int node_size, int rank);
 
 }  // namespace dattn

@@ -6,7 +6,9 @@
 // tensor parallelism (each rank H/G heads, the whole cache) or TPLA (each rank a 1/G slice of the
 // latent and of every absorbed query; per-slice softmax; outputs summed) — an approximation of
 // MLA that an orthogonal transform of the latent (Hadamard, PCA) folded into W_UK and W_UV makes
-// closer at no decode cost. All MLA tensors are fp32.
+// closer at no decode cost. All MLA tensors are fp32. mla_decode runs on the Runtime's device
+// (on cuda: band masks, and the latent and RoPE columns of kernels/cuda/limits.h); everything
+// else here takes host tensors.
 #pragma once
 
 #include <cstdint>

@@ -5,7 +5,8 @@
 // query and generated tokens, which live on the query rank (the last), attend to every cache:
 // the query is broadcast, every rank computes its partial, and the partials are merged at the
 // query rank. Phase 1 is an approximation (no rank sees the middle of the context before it);
-// phase 2 is exact over the cached K/V.
+// phase 2 is exact over the cached K/V. Both phases run on the Runtime's device (tensors and cache
+// there; on cuda bf16/fp16 within kernels/cuda/limits.h).
 #pragma once
 
 #include <cstdint>

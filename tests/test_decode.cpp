@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/reference.h"
@@ -287,7 +288,7 @@ TEST(KvCacheTest, CapacityOverflowStoresNothing) {
 // ---------------------------------------------------------------- 2. decode vs the reference
 
 struct DecodeCase {
-  Strategy strategy;
+  DecodeStrategy strategy;
   bool bf16;
   LayoutKind layout;
   Placement placement;
@@ -302,7 +303,7 @@ std::ostream& operator<<(std::ostream& os, const DecodeCase& c) {
 }
 std::vector<DecodeCase> decode_cases() {
   std::vector<DecodeCase> cs;
-  for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather})
+  for (DecodeStrategy s : {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather})
     for (bool bf16 : {false, true})
       for (LayoutKind l : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped})
         for (Placement pl : {Placement::round_robin, Placement::last_rank})
@@ -338,7 +339,7 @@ testing::AssertionResult same_on_every_rank(const Tensor& t) {
 // One decode step checked: shapes, out and lse against the float64 reference of q (the last S_q
 // positions) against the first length() tokens of ctx, and the same result on every rank.
 void check_step(Runtime& rt, const KvCache& cache, const Context& ctx, const Problem& pb,
-                int64_t s_q, Strategy strategy, uint64_t seed) {
+                int64_t s_q, DecodeStrategy strategy, uint64_t seed) {
   const int64_t len = cache.length();
   SCOPED_TRACE(testing::Message() << "length " << len << ", S_q " << s_q << ", rank "
                                   << rt.cp_rank() << " of " << rt.cp_size());
@@ -406,7 +407,8 @@ TEST(DecodeEmptyShards, ShortContexts) {
   const int P = world_size(), me = world_rank();
   Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
   for (const Problem& pb : {kF32, kBF16}) {
-    for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather}) {
+    for (DecodeStrategy s :
+         {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
       SCOPED_TRACE(testing::Message() << strategy_name(s) << " " << dtype_name(pb.dtype));
       const Context ctx(pb, 8, 41);
       {  // One prompt token on rank 0, decoded tokens on rank P-1: ranks 1 .. P-2 stay empty.
@@ -462,7 +464,8 @@ TEST(DecodeBytes, MatchModel) {
         KvCache cache = prefilled_cache(pb, ctx, layout, P, me, total, Placement::round_robin);
         append_next(cache, ctx, s_q);
         const Tensor q = test::random_tensor({pb.B, s_q, pb.Hq, pb.D}, pb.dtype, 52);
-        for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather}) {
+        for (DecodeStrategy s :
+             {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
           SCOPED_TRACE(testing::Message()
                        << strategy_name(s) << " " << dtype_name(pb.dtype) << " context "
                        << cache.length() << " S_q " << s_q << " rank " << me << " of " << P);
@@ -471,7 +474,7 @@ TEST(DecodeBytes, MatchModel) {
           const ByteCounters counters = rt.counters();
           const uint64_t sent = counters.data_bytes();
           EXPECT_EQ(sent, decode_send_bytes(s, cache, s_q, 0, me)) << counters_str(counters);
-          if (s == Strategy::tree) {
+          if (s == DecodeStrategy::tree) {
             tree_bytes.push_back(sent);
             // Flat tree: max-allreduce of lse, then sum-allreduce of the packed [out | sum w].
             const uint64_t closed =
@@ -480,7 +483,7 @@ TEST(DecodeBytes, MatchModel) {
               EXPECT_EQ(sent, closed) << counters_str(counters);
             }
           }
-          if (P >= 2 && s != Strategy::tree) {
+          if (P >= 2 && s != DecodeStrategy::tree) {
             EXPECT_GT(sent, 0u) << counters_str(counters);
           }
         }
@@ -517,12 +520,12 @@ TEST(DecodeTwoLevelTree, MatchesFlatTree) {
       for (int64_t s_q : {1, 4}) {
         append_next(cache, ctx, s_q);
         const Tensor q = test::random_tensor({pb.B, s_q, pb.Hq, pb.D}, pb.dtype, 62);
-        const Partial ref = decode(flat, q, cache, Strategy::tree);
+        const Partial ref = decode(flat, q, cache, DecodeStrategy::tree);
         rt.reset_counters();
-        const Partial two = decode(rt, q, cache, Strategy::tree);
+        const Partial two = decode(rt, q, cache, DecodeStrategy::tree);
         const ByteCounters counters = rt.counters();
         EXPECT_EQ(counters.data_bytes(),
-                  decode_send_bytes(Strategy::tree, cache, s_q, node_size, me))
+                  decode_send_bytes(DecodeStrategy::tree, cache, s_q, node_size, me))
             << dtype_name(pb.dtype) << " S_q " << s_q << ": " << counters_str(counters);
         ASSERT_EQ(two.out.numel(), ref.out.numel());
         ASSERT_EQ(two.lse.numel(), ref.lse.numel());
@@ -605,10 +608,19 @@ TEST_F(DecodeErrors, MoreQueriesThanContext) {
   }
 }
 
+// A prefill strategy passed to decode (or a decode one to attention) does not compile; a value
+// outside the enum (a cast integer) throws on every rank, naming the strategy.
 TEST_F(DecodeErrors, PrefillStrategiesRejected) {
-  for (Strategy s : {Strategy::ulysses, Strategy::hybrid})
-    EXPECT_TRUE(throws_naming([&] { decode(*rt, q_of(1, pb.Hq, pb.D), *cache, s); },
-                              {"strategy", strategy_name(s)}));
+  using DecodeFn = Partial (*)(Runtime&, const Tensor&, const KvCache&, DecodeStrategy);
+  using AttentionFn = Partial (*)(Runtime&, const Tensor&, const Tensor&, const Tensor&,
+                                  const AttnSpec&, const Layout&, Strategy);
+  static_assert(!std::is_invocable_v<DecodeFn, Runtime&, const Tensor&, const KvCache&, Strategy>);
+  static_assert(
+      !std::is_invocable_v<AttentionFn, Runtime&, const Tensor&, const Tensor&, const Tensor&,
+                           const AttnSpec&, const Layout&, DecodeStrategy>);
+  EXPECT_TRUE(throws_naming(
+      [&] { decode(*rt, q_of(1, pb.Hq, pb.D), *cache, static_cast<DecodeStrategy>(7)); },
+      {"strategy"}));
 }
 
 TEST_F(DecodeErrors, DtypeMismatch) {

@@ -362,7 +362,8 @@ TEST(DecodeGarbage, UnusedCapacityAndHiddenKeysAreNeverRead) {
           for (int64_t e = used; e < row; ++e)
             shared.set(b * row + e, test::garbage_value(e));
       }
-      for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather}) {
+      for (DecodeStrategy s :
+           {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
         Runtime& rt = runtime(1);
         const Partial want = decode(rt, d.q, ordinary, s);
         const Partial got = decode(rt, d.q, garbage, s);
@@ -381,14 +382,14 @@ TEST(DecodeGarbage, CheckNamesCacheAndQ) {
   {  // unused capacity holds NaN: not checked, not read
     Tensor k = cache.k();
     k.set(k.numel() - 1, NAN);
-    EXPECT_NO_THROW(decode(rt, d.q, cache, Strategy::tree));
+    EXPECT_NO_THROW(decode(rt, d.q, cache, DecodeStrategy::tree));
   }
   {  // a NaN in the last rank's cache row 2
     Tensor v = cache.v();
     const int64_t pos = d.layout.global_position(P - 1, 2);
     if (me == P - 1) v.set(((0 * cache.capacity() + 2) * kHkv + 4) * kDv + 6, NAN);
     EXPECT_TRUE(test::throws_naming(
-        [&] { decode(rt, d.q, cache, Strategy::ring); },
+        [&] { decode(rt, d.q, cache, DecodeStrategy::ring); },
         {"rank " + std::to_string(P - 1) + " rejected the decode step", "invalid cache v = nan",
          "position " + std::to_string(pos) + " ", "head 4", "dim 6"}));
     if (me == P - 1) v.set(((0 * cache.capacity() + 2) * kHkv + 4) * kDv + 6, 0.f);
@@ -397,7 +398,7 @@ TEST(DecodeGarbage, CheckNamesCacheAndQ) {
     Tensor q = d.q.to(DType::f32);
     q.set(((1 * 2 + 1) * kHq + 3) * kD + 0, INFINITY);
     EXPECT_TRUE(
-        test::throws_naming([&] { decode(rt, q, cache, Strategy::allgather); },
+        test::throws_naming([&] { decode(rt, q, cache, DecodeStrategy::allgather); },
                             {"rank 0 rejected the decode step", "invalid q = inf", "batch 1",
                              "position " + std::to_string(kS + 1) + " ", "head 3"}));
   }

@@ -298,7 +298,7 @@ TEST(StarDecode, StepsMatchReferenceAndTree) {
         const Tensor q_arg =
             me == last ? q : test::random_tensor({pb.B, c.s_q, pb.Hq, pb.D}, pb.dtype, 999);
         const Partial res = star_decode(rt, q_arg, cache);
-        const Partial tree = decode(rt, q, tree_cache, Strategy::tree);
+        const Partial tree = decode(rt, q, tree_cache, DecodeStrategy::tree);
         if (me != last) {
           EXPECT_TRUE(is_empty(res)) << "a rank other than the query rank got a result";
           continue;

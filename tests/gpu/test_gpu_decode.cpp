@@ -172,7 +172,8 @@ TEST_P(GpuDecode, MatchesCpuBackendReferenceAndByteModel) {
     const Tensor q = test::random_tensor({kB, c.s_q, kHq, kD}, kDtype, 900 + uint64_t(step));
     const cpu::ReferenceResult ref = cpu::attention_reference(
         q, ctx.k.seq_slice(0, len), ctx.v.seq_slice(0, len), spec, len - c.s_q, 0);
-    for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather}) {
+    for (DecodeStrategy s :
+         {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
       const std::string where = "rank " + std::to_string(me) + " of " + std::to_string(P) + ", " +
                                 strategy_name(s) + ", " + spec.mask.str() + ", S_q " +
                                 std::to_string(c.s_q) + ", length " + std::to_string(len);
@@ -221,16 +222,16 @@ TEST_P(GpuDecode, TwoLevelTreeMatchesFlatTree) {
   append_next(cache, ctx, c.s_q);
   const Tensor q = test::random_tensor({kB, c.s_q, kHq, kD}, kDtype, 822).to_device(dev);
 
-  const Partial flat = to_host(decode(g, q, cache, Strategy::tree));
+  const Partial flat = to_host(decode(g, q, cache, DecodeStrategy::tree));
   n.reset_counters();
-  const Partial res = decode(n, q, cache, Strategy::tree);
+  const Partial res = decode(n, q, cache, DecodeStrategy::tree);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   const uint64_t sent = n.counters().data_bytes();
   const Partial two = to_host(res);
   EXPECT_TRUE(test::matches_reference(two.out.ptr<float>(), two.lse.ptr<float>(), kB, c.s_q, kHq,
                                       kD, as_reference(flat), {1e-5, 1e-5, 1e-5, 1e-5}))
       << "rank " << me << " of " << P;
-  EXPECT_EQ(sent, decode_send_bytes(Strategy::tree, cache, c.s_q, 1, me))
+  EXPECT_EQ(sent, decode_send_bytes(DecodeStrategy::tree, cache, c.s_q, 1, me))
       << "rank " << me << " of " << P;
 }
 
@@ -258,17 +259,17 @@ TEST_F(GpuDecode, RejectsWhatTheGpuPathDoesNotRun) {
   const Tensor qh = test::random_tensor({kB, 1, kHq, kD}, kDtype, 832);
   const Tensor qd = qh.to_device(dev);
 
-  EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qh, gcache, Strategy::tree); },
+  EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qh, gcache, DecodeStrategy::tree); },
                                   {"q device", "cpu"}));
-  EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qd, hcache, Strategy::tree); },
+  EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, qd, hcache, DecodeStrategy::tree); },
                                   {"cache device", "cpu"}));
   {
     KvCache c32(P, me, spec, kB, DType::f32, total, Placement::round_robin, dev);
     c32.prefill(layout.dispatch(ctx.k.seq_slice(0, kS0).to(DType::f32), me),
                 layout.dispatch(ctx.v.seq_slice(0, kS0).to(DType::f32), me), layout);
     const Tensor q32 = qh.to(DType::f32).to_device(dev);
-    EXPECT_TRUE(
-        test::throws_naming([&] { (void)decode(g, q32, c32, Strategy::tree); }, {"dtype", "fp32"}));
+    EXPECT_TRUE(test::throws_naming([&] { (void)decode(g, q32, c32, DecodeStrategy::tree); },
+                                    {"dtype", "fp32"}));
   }
 
   // The non-finite check on a device cache: a NaN in rank 0's cache, named on every rank.
@@ -281,12 +282,12 @@ TEST_F(GpuDecode, RejectsWhatTheGpuPathDoesNotRun) {
     if (me == 0) bad.k.set(3, NAN);  // batch 0, position 0 (rank 0's first row), head 0, dim 3
     KvCache cache = prefilled_cache(spec, bad, layout, total, dev, Device::cpu());
     append_next(cache, bad, 1);
-    EXPECT_TRUE(test::throws_naming([&] { (void)decode(checked, qd, cache, Strategy::tree); },
+    EXPECT_TRUE(test::throws_naming([&] { (void)decode(checked, qd, cache, DecodeStrategy::tree); },
                                     {"invalid cache k = nan", "position 0"}));
   }
   // And the runtimes still work afterwards.
-  const Partial res = decode(checked, qd, gcache, Strategy::tree);
-  const Partial again = decode(g, qd, gcache, Strategy::tree);
+  const Partial res = decode(checked, qd, gcache, DecodeStrategy::tree);
+  const Partial again = decode(g, qd, gcache, DecodeStrategy::tree);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(res.out.device(), dev);
   EXPECT_EQ(again.lse.device(), dev);

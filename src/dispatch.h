@@ -14,7 +14,6 @@
 
 #include <cstddef>
 #include <cstdint>
-
 #include <vector>
 
 #include "kernels/mla_block.h"

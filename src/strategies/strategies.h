@@ -1,13 +1,17 @@
-// The schedules behind dattn::attention, one file each. They are called after validation and
-// read as their schedule: which blocks meet where, and what moves between ranks. They reach the
-// kernels, copies and merges through the dispatch layer (src/dispatch.h), which picks the CPU or
-// the CUDA code by the tensors' device.
+// The schedules behind dattn::attention, attention_backward, decode and star, one file each.
+// They are called after validation and read as their schedule: which blocks meet where, and what
+// moves between ranks. They reach the kernels, copies and merges through the dispatch layer
+// (src/dispatch.h), which picks the CPU or the CUDA code by the tensors' device.
 #pragma once
 
 #include "collective/communicator.h"
-#include "src/attention.h"
+#include "src/base/spec.h"
+#include "src/base/tensor.h"
 #include "src/decode.h"
 #include "src/dispatch.h"
+#include "src/layout.h"
+#include "src/partial.h"
+#include "src/runtime.h"
 
 namespace dattn {
 

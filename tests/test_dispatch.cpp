@@ -151,5 +151,24 @@ TEST(DispatchHost, CudaKernelLimitsNameTheValue) {
                           {"batch", "70000"}));
 }
 
+TEST(DispatchHost, MlaKernelLimitsNameTheValue) {
+  const Device gpu = Device::cuda(0);
+  EXPECT_NO_THROW(check_mla_limits(gpu, Mask::causal(), 512, 64, 4, 1, 128));
+  EXPECT_NO_THROW(check_mla_limits(Device::cpu(), Mask::causal(), 4096, 1024, 4, 1, 128));
+  EXPECT_TRUE(test::throws_naming(
+      [&] { check_mla_limits(gpu, Mask::causal(), 2048, 64, 4, 1, 128); }, {"latent", "2048"}));
+  EXPECT_TRUE(test::throws_naming(
+      [&] { check_mla_limits(gpu, Mask::causal(), 512, 1024, 4, 1, 128); }, {"rope", "1024"}));
+  EXPECT_TRUE(test::throws_naming(
+      [&] { check_mla_limits(gpu, Mask::causal(), 512, 64, 4, 1, 9000); }, {"qk_nope", "9000"}));
+  EXPECT_TRUE(test::throws_naming(
+      [&] {
+        check_mla_limits(gpu, Mask::document({0, 4, 8}, true), 512, 64, 4, 1, 128);
+      },
+      {"mask"}));
+  AttnSpec spec;
+  EXPECT_NO_THROW(check_attention_limits(Device::cpu(), DType::f32, spec, 70000));
+}
+
 }  // namespace
 }  // namespace dattn

@@ -250,10 +250,9 @@ uint64_t hash_string(uint64_t h, const std::string& s) {
 
 // Checks and converts a distributed call's arguments so that the ranks agree: a bad argument on
 // one rank raises the same dattn.InvalidArgumentError on every rank instead of leaving the others
-// waiting. The
-// global sequence is the sum of the ranks' shard lengths (one small allreduce); the attention
-// call's own check then says which rank holds the wrong number of tokens. `more` converts the
-// backward's extra arguments inside the same agreement.
+// waiting. The global sequence is the sum of the ranks' shard lengths (one small allreduce); the
+// attention call's own check then says which rank holds the wrong number of tokens. `more`
+// converts the backward's extra arguments inside the same agreement.
 template <typename More>
 Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k,
                         const py::tuple& v, More&& more) {
@@ -373,8 +372,7 @@ void allreduce_sum(py::array_t<double, py::array::c_style> a) {
 
 // ---------------------------------------------------------------- exceptions
 
-// The Python class of each dattn::ErrorKind, made by add_error_classes (kept for the process's
-// life).
+// The Python class of each dattn::ErrorKind, made by add_error_classes; held for the process.
 PyObject* g_error_class[dattn::kErrorKinds] = {};
 
 // dattn.Error, the base of every error the library raises, and one subclass per ErrorKind that

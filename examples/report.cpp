@@ -209,6 +209,11 @@ JsonObject& JsonObject::add(const std::string& key, bool value) {
   return add_raw(key, value ? "true" : "false");
 }
 
+JsonObject& JsonObject::add_all(const JsonObject& other) {
+  members_.insert(members_.end(), other.members_.begin(), other.members_.end());
+  return *this;
+}
+
 std::string JsonObject::str() const {
   std::string out = "{";
   for (size_t i = 0; i < members_.size(); ++i) {

@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/engine.h"
+#include "src/attention.h"
 
 namespace dattn::bench {
 
@@ -146,6 +148,28 @@ inline DecodeReference merge_states(const RefShape& s, int64_t R, const std::vec
         ref.out[size_t(((b * R + j) * H + h) * Dv + d)] = acc[size_t(d)] / l;
     }
   return ref;
+}
+
+// Compares rows of a result on the host, out [B, L, H_l, D_v] and lse [B, H_l, L], with a
+// reference of R = rows.size() rows over H >= H_l heads: result row rows[j] against reference row
+// j, result head h against reference head h0 + h (a tp rank's heads among all).
+inline void compare_rows(const Partial& res, const DecodeReference& ref,
+                         const std::vector<int64_t>& rows, int64_t h0, const Tolerance& tol_out,
+                         const Tolerance& tol_lse, CheckStats& out_stats, CheckStats& lse_stats) {
+  const int64_t B = res.out.size(0), L = res.out.size(1), Hl = res.out.size(2);
+  const int64_t Dv = res.out.size(3), R = int64_t(rows.size()),
+                H = int64_t(ref.lse.size()) / (B * R);
+  const float* out = res.out.ptr<float>();
+  const float* lse = res.lse.ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < R; ++j)
+      for (int64_t h = 0; h < Hl; ++h) {
+        const int64_t i = rows[size_t(j)], g = h0 + h;
+        lse_stats.compare(lse[(b * Hl + h) * L + i], ref.lse[size_t((b * H + g) * R + j)], tol_lse);
+        for (int64_t d = 0; d < Dv; ++d)
+          out_stats.compare(out[((b * L + i) * Hl + h) * Dv + d],
+                            ref.out[size_t(((b * R + j) * H + g) * Dv + d)], tol_out);
+      }
 }
 
 struct DecodeShape {

@@ -79,6 +79,33 @@ std::optional<std::vector<int64_t>> parse_int_list(const std::string& s) {
   return out;
 }
 
+DType dtype_option(const std::string& name) {
+  try {
+    return parse_dtype(name);
+  } catch (const Error&) {
+    require_option(false, "--dtype", name, "fp32, bf16 or fp16");
+  }
+  return DType::f32;
+}
+
+void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp) {
+  require_option(heads >= 1, "--heads", heads, ">= 1");
+  require_option(kv_heads >= 1 && heads % kv_heads == 0, "--kv-heads", kv_heads,
+                 cat(">= 1 and dividing --heads (", heads, ")"));
+  require_option(kv_heads % tp == 0, "--kv-heads", kv_heads,
+                 cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
+  require_option(head_dim >= 1, "--head-dim", head_dim, ">= 1");
+}
+
+void require_one_of(const char* option, const std::string& value,
+                    const std::vector<std::string>& allowed) {
+  std::string expected;
+  for (size_t i = 0; i < allowed.size(); ++i)
+    expected += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + allowed[i];
+  require_option(std::find(allowed.begin(), allowed.end(), value) != allowed.end(), option, value,
+                 expected);
+}
+
 void CheckStats::compare(double got, double ref, const Tolerance& tol) {
   checked += 1;
   if (std::isinf(ref) || std::isinf(got)) {
@@ -107,6 +134,15 @@ void Row::take_bytes(const Timing& t) {
   byte_mismatches = t.byte_mismatches;
   result.sent_mb_per_rank = t.sent_mb;
   result.model_mb_per_rank = t.model_mb;
+}
+
+std::pair<CheckStats, CheckStats> Row::take_check(const CheckStats& out, const CheckStats& lse) {
+  const CheckStats o = out.reduced(), l = lse.reduced();
+  result.wrong = int64_t(o.wrong + l.wrong);
+  extra.add("checked_elements", int64_t(o.checked + l.checked))
+      .add("max_err_out", o.max_err)
+      .add("max_err_lse", l.max_err);
+  return {o, l};
 }
 
 std::string wrong_cell(const Row& r) {
@@ -176,6 +212,16 @@ void Plan::line(const std::string& text) const {
   std::printf("# %s\n", text.c_str());
 }
 
+void Plan::grid(const std::string& what, const std::string& groups) const {
+  const LaunchOptions& l = opts_.launch;
+  line(cat("world ", l.world, " ranks = cp ", l.cp, " x tp ", l.tp,
+           " (tp is the fastest rank index); ", what));
+  line(cat("communicators: ", l.tp, " cp group(s) of ", l.cp,
+           " ranks (cp group t: world ranks t, t+", l.tp, ", ...); ", l.cp, " tp group(s) of ",
+           l.tp, " consecutive ranks", groups));
+  line("device: " + device_plan(l));
+}
+
 void Plan::table(const std::vector<report::Column>& columns) {
   table_ = std::make_unique<report::Table>(columns);
   table_->print_heading(stdout);
@@ -208,6 +254,13 @@ void Plan::for_shown(int n, const std::function<void(int)>& f) const {
 }
 
 // ------------------------------------------------------------------ options
+
+std::vector<std::string> Workload::config_lines(Runtime& rt) const {
+  report::JsonObject cfg;
+  config_json(cfg);
+  return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(), ") threads/rank ",
+              rt.threads(), " ", cfg.words())};
+}
 
 RuntimeOptions Workload::runtime_options(const EngineOptions& e) const {
   RuntimeOptions r;
@@ -263,8 +316,9 @@ std::vector<std::string> with_check_values(int argc, char** argv) {
   return args;
 }
 
-Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
-             const std::vector<std::string>& first) {
+// compare_key and compare_value given: a --compare rerun, the option set to the value.
+Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::string& compare_key = "",
+             const std::string& compare_value = "") {
   Parsed p;
   p.w = entry.make();
   Workload& w = *p.w;
@@ -305,6 +359,8 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
   for (const std::string& a : args)
     ptrs.push_back(const_cast<char*>(a.c_str()));
   po::variables_map& vm = p.vm;
+  std::vector<std::string> first;
+  if (!compare_value.empty()) first = {"--" + compare_key, compare_value};
   parse_command_line(int(ptrs.size()), ptrs.data(), desc, vm, first);
   if (help || version) {
     if (world_rank() == 0) {
@@ -341,6 +397,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
     e.compare_key = key;
     e.compare_values = values;
   }
+  e.compare_value = compare_value;
   w.resolve(vm, e);
   return p;
 }
@@ -379,8 +436,7 @@ struct Compared {
 
 Compared run_compare(const WorkloadEntry& entry, int argc, char** argv, const EngineOptions& base,
                      const std::string& value) {
-  Parsed p = parse(entry, argc, argv, {"--" + base.compare_key, value});
-  p.e.compare_value = value;
+  Parsed p = parse(entry, argc, argv, base.compare_key, value);
   Runtime rt = Runtime::from_mpi(p.d.one_process ? MPI_COMM_SELF : MPI_COMM_WORLD,
                                  p.w->runtime_options(p.e));
   Bench b(rt, p.e);
@@ -411,15 +467,17 @@ void dry_run(Workload& w, const EngineOptions& e) {
 // ------------------------------------------------------------------ the run
 
 std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& entry, int argc, char** argv) {
-  Parsed p = parse(entry, argc, argv, {});
+  Parsed p = parse(entry, argc, argv);
   if (p.answered) return std::nullopt;
   return ParsedWorkload{std::move(p.w), std::move(p.e), std::move(p.vm)};
 }
 
 int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   if (!entry.make) return entry.main(argc, argv);
-  Parsed p = parse(entry, argc, argv, {});
+  Parsed p = parse(entry, argc, argv);
   if (p.answered) return 0;
+  for (const std::string& v : p.e.compare_values)  // each rerun's options, before any run
+    parse(entry, argc, argv, p.e.compare_key, v);
   Workload& w = *p.w;
   const EngineOptions& e = p.e;
   if (e.launch.dry_run) {
@@ -431,8 +489,13 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
       Runtime::from_mpi(p.d.one_process ? MPI_COMM_SELF : MPI_COMM_WORLD, w.runtime_options(e));
   Bench b(rt, e);
   const auto ranks = report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), rt.threads());
+  std::vector<std::string> config = w.config_lines(rt);
+  config.push_back(cat(split_list(p.d.iters_option)[0], " ", e.iters,
+                       p.d.warmup >= 0 ? cat(" warmup ", e.warmup) : "",
+                       p.d.has_check ? cat(" check ", e.check) : "",
+                       e.compare.empty() ? "" : " compare " + e.compare));
   if (b.root()) {
-    report::print_header(stdout, w.title(), w.config_lines(rt), ranks);
+    report::print_header(stdout, w.title(), config, ranks);
     std::fflush(stdout);
   }
   const std::vector<Row> rows = run_cases(w, b);

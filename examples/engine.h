@@ -31,6 +31,7 @@
 #include "collective/communicator.h"
 #include "examples/report.h"
 #include "launch/options.h"
+#include "src/base/dtype.h"
 #include "src/runtime.h"
 
 namespace dattn::bench {
@@ -136,6 +137,10 @@ struct Row {
   // Copies t's bytes into the row: byte_checked, byte_mismatches, result.sent_mb_per_rank and
   // result.model_mb_per_rank.
   void take_bytes(const Timing& t);
+  // The check of out and lse on this rank, reduced over every rank (collective): result.wrong
+  // (their wrong elements) and the JSON keys checked_elements, max_err_out, max_err_lse.
+  // Returns the reduced statistics.
+  std::pair<CheckStats, CheckStats> take_check(const CheckStats& out, const CheckStats& lse);
 };
 
 // The #wrong cell: the row's wrong(), or "N/A" when !has_wrong().
@@ -178,6 +183,14 @@ double percentile(const std::vector<double>& sorted, double p);
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.
 int world_rank();
+// Option checks every workload makes, throwing UsageError (require_option's message):
+// --dtype NAME as a DType ("fp32, bf16 or fp16");
+DType dtype_option(const std::string& name);
+// --heads, --kv-heads (dividing --heads and divisible by --tp), --head-dim, each >= 1;
+void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp);
+// value one of `allowed` ("invalid --layout = X: expected contiguous, zigzag or striped").
+void require_one_of(const char* option, const std::string& value,
+                    const std::vector<std::string>& allowed);
 // "a,b,c" -> the items, empty ones kept (so that they can be rejected).
 std::vector<std::string> split_list(const std::string& s, char sep = ',');
 // "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
@@ -195,7 +208,10 @@ class Plan {
  public:
   explicit Plan(const EngineOptions& opts) : opts_(opts) {}
   const EngineOptions& opts() const { return opts_; }
-  void line(const std::string& text) const;                // "# <text>"
+  void line(const std::string& text) const;  // "# <text>"
+  // The grid's lines: "world W ranks = cp P x tp T ...; <what>", the cp and tp communicators
+  // (then `groups`, e.g. a hybrid's), and the device rule.
+  void grid(const std::string& what, const std::string& groups = "") const;
   void table(const std::vector<report::Column>& columns);  // prints its heading
   void row(const std::vector<std::string>& cells) const;
   void skipped(int64_t n) const;
@@ -236,8 +252,9 @@ class Workload {
   // ---- the run
   // The Runtime's options: by default the grid, device and threads of e.
   virtual RuntimeOptions runtime_options(const EngineOptions& e) const;
-  // The header's configuration lines (after "# <title>, version V").
-  virtual std::vector<std::string> config_lines(Runtime& rt) const = 0;
+  // The header's configuration lines (after "# <title>, version V"; the engine adds a line of
+  // the shared options). By default one line: the grid and threads, then config_json's words.
+  virtual std::vector<std::string> config_lines(Runtime& rt) const;
   // The workload's keys of the JSON "config" (after program, version, ranks, threads_per_rank,
   // iters, warmup, check; before with_cuda, with_nccl, device).
   virtual void config_json(report::JsonObject& cfg) const = 0;

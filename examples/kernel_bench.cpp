@@ -50,15 +50,13 @@ class Kernel final : public Workload {
   const char* summary() const override { return "the CPU kernel against sgemm, one process"; }
   const char* title() const override { return "dattn kernel benchmark"; }
   Defaults defaults() const override {
-    Defaults d;
-    d.iters_help = "timed iterations (best is kept)";
-    d.iters = 3;
-    d.warmup = -1;
-    d.threads = 2;
-    d.min_threads = 1;
-    d.has_check = false;
-    d.one_process = true;
-    return d;
+    return {.iters_help = "timed iterations (best is kept)",
+            .iters = 3,
+            .warmup = -1,
+            .threads = 2,
+            .min_threads = 1,
+            .has_check = false,
+            .one_process = true};
   }
 
   void add_options(po::options_description& desc) override {

@@ -222,6 +222,18 @@ std::string JsonObject::str() const {
   return out + "}";
 }
 
+std::string JsonObject::words() const {
+  std::string out;
+  for (const auto& [key, value] : members_) {
+    std::string k = key;
+    std::replace(k.begin(), k.end(), '_', '-');
+    const bool quoted = value.size() >= 2 && value.front() == '"';
+    out +=
+        (out.empty() ? "" : " ") + k + " " + (quoted ? value.substr(1, value.size() - 2) : value);
+  }
+  return out;
+}
+
 JsonObject result_row(const ResultRow& r) {
   JsonObject j;
   j.add("workload", r.workload)

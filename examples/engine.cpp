@@ -305,7 +305,7 @@ bool engine_option(const std::string& key) {
   return false;
 }
 
-// -k/--check takes an optional value: a bare -k or --check (not followed by 0 or 1) means 1.
+// -k/--check takes an optional value: a bare -k or --check (not followed by a value) means 1.
 std::vector<std::string> with_check_values(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   for (size_t i = 1; i < args.size(); ++i) {

@@ -7,9 +7,9 @@
 // The shared options, owned by the engine for every workload (a workload does not declare them):
 //   -n/--iters (its name and default from Defaults), -w/--warmup, -k/--check, -T/--threads,
 //   -J/--json, --compare KEY=A,B, -h/--help, -V/--version, and launch/options.h's options.
-// -k/--check defaults to 1 (Defaults::check): every workload's check runs by default, so it must
-// be cheap (a sample: a few rows per rank, one extra step); `-k 0` turns it off, `--check` alone
-// means `--check 1`. Bench::check() says whether it is on.
+// -k/--check defaults to 1 (unless Defaults::has_check is false): every workload's check runs by
+// default, so it must be cheap (a sample: a few rows per rank, one extra step); `-k 0` turns it
+// off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
 //
 // The flow of one run (rank 0 prints, every rank computes):
 //   header (report::print_header with Workload::config_lines), then for each Case of cases():
@@ -123,8 +123,8 @@ struct Timing {
 struct Row {
   std::vector<std::string> cells;  // one per column of its case's table
   // The JSON row's common keys. result.wrong: the elements over tolerance of the row's check
-  // (plus whatever else the workload counts as wrong there); < 0 when no check ran. The engine
-  // adds byte_mismatches to it in the table, the footer and the JSON.
+  // (plus whatever else the workload counts as wrong there); < 0 when no check ran. wrong()
+  // adds byte_mismatches to it for the #wrong cell (wrong_cell), the footer and the JSON.
   report::ResultRow result;
   report::JsonObject extra;      // the JSON row's own keys, after the common ones
   bool in_json = true;           // false: table only (e.g. star's accuracy rows)

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -177,6 +178,10 @@ double percentile(const std::vector<double>& sorted, double p);
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.
 int world_rank();
+// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
+std::vector<std::string> split_list(const std::string& s, char sep = ',');
+// "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
 
 // ------------------------------------------------------------------ the dry run
 

@@ -31,59 +31,12 @@ using report::fixed;
 
 enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };  // the hashed inputs of bench_inputs.h
 
-// Tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`, heads head0 .. head0 + heads - 1
-// of the global tensor: [B, n, heads, dim], the same on every rank of a tp slice.
-Tensor make_tokens(TensorId id, int64_t pos0, int64_t n, int64_t batch, int64_t heads, int64_t dim,
-                   DType dtype, int64_t head0) {
-  Tensor t = Tensor::empty({batch, n, heads, dim}, dtype);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos0 + i, head0 + h);
-        for (int64_t d = 0; d < dim; ++d)
-          t.set(((b * n + i) * heads + h) * dim + d, input_value(row, d, dtype));
-      }
-  return t;
-}
-
-// Against float64: the inputs are rounded to the storage dtype on both sides and the CPU kernel
-// computes in fp32 whatever the dtype, so one bound serves every dtype. The CUDA kernel rounds P
-// to the storage dtype before O += P V (as flash attention does): its out bound is of the order
-// of a 16-bit rounding of out; its lse comes from fp32 scores. Strategies must agree with each
-// other within kSame (the same inputs, merged in different orders).
+// Against float64, with inputs rounded to the storage dtype on both sides: the CPU kernel computes
+// in fp32 whatever the dtype; the CUDA kernel rounds P to it before O += P V (its out bound is a
+// 16-bit rounding of out), its lse from fp32 scores. Strategies must agree within kSame.
 constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5}, kGpuLse{2e-4, 2e-4};
 Tolerance out_tolerance(bool gpu, DType dtype) {
   return !gpu ? kTol : dtype == DType::bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
-}
-
-// A decode result compared element by element, out and lse apart, over every rank.
-struct Errors {
-  CheckStats out, lse;
-  uint64_t wrong() const { return out.wrong + lse.wrong; }
-  void add(const Errors& e) {
-    for (auto [a, b] : {std::pair{&out, &e.out}, std::pair{&lse, &e.lse}}) {
-      a->checked += b->checked, a->wrong += b->wrong;
-      a->max_err = std::max(a->max_err, b->max_err);
-    }
-  }
-};
-
-// Every element of got (flat index i) against ref_out(i) and ref_lse(i). Collective.
-template <typename Out, typename Lse>
-Errors compare(const Partial& got, const Out& ref_out, const Lse& ref_lse, Tolerance tol_out,
-               Tolerance tol_lse) {
-  Errors s;
-  for (int64_t i = 0; i < got.out.numel(); ++i)
-    s.out.compare(got.out.ptr<float>()[i], ref_out(i), tol_out);
-  for (int64_t i = 0; i < got.lse.numel(); ++i)
-    s.lse.compare(got.lse.ptr<float>()[i], ref_lse(i), tol_lse);
-  return {s.out.reduced(), s.lse.reduced()};
-}
-
-// The index, in a tensor of all H heads, of element i of a tp rank's slice (Hl heads from h0),
-// where `inner` elements follow the head index: out [B, S_q, H, D_v] (inner D_v), lse [B, H, S_q].
-int64_t all_heads(int64_t i, int64_t inner, int64_t Hl, int64_t H, int64_t h0) {
-  return (i / inner / Hl * H + h0 + i / inner % Hl) * inner + i % inner;
 }
 
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
@@ -106,17 +59,11 @@ class DecodeWorkload final : public Workload {
  public:
   const char* name() const override { return "decode"; }
   const char* program() const override { return "dattn-decode-bench"; }
-  const char* summary() const override {
-    return "decoding over a sharded KV cache: tree, ring or allgather";
-  }
+  const char* summary() const override { return "decoding over a sharded KV cache"; }
   const char* title() const override { return "dattn decode benchmark"; }
-  Defaults defaults() const override {
-    Defaults d;
-    d.iters_option = "steps,n";
-    d.iters_help = "timed decode steps per strategy";
-    d.iters = 20;
-    d.warmup = 2;
-    d.runs_on_cuda = true;  // every strategy (the dtype checked in resolve)
+  Defaults defaults() const override {  // --device cuda runs every strategy (resolve: the dtype)
+    Defaults d{"steps,n", "timed decode steps per strategy", 20, 2};
+    d.runs_on_cuda = true;
     return d;
   }
 
@@ -144,15 +91,14 @@ class DecodeWorkload final : public Workload {
     e_ = e;
     using Size = std::pair<const char*, int64_t>;
     for (auto [option, v] : {Size{"--context", context_}, Size{"--batch", batch_},
-                             Size{"--heads", heads_}, Size{"--kv-heads", kv_heads_}})
+                             Size{"--heads", heads_}, Size{"--kv-heads", kv_heads_},
+                             Size{"--head-dim", head_dim_}, Size{"--new-tokens", new_tokens_}})
       require_option(v >= 1, option, v, ">= 1");
     require_option(heads_ % kv_heads_ == 0, "--kv-heads", kv_heads_,
                    cat(">= 1 and dividing --heads (", heads_, ")"));
     require_option(
         kv_heads_ % e.launch.tp == 0, "--kv-heads", kv_heads_,
         cat("divisible by --tp (", e.launch.tp, "): tensor parallelism splits the heads"));
-    for (auto [option, v] : {Size{"--head-dim", head_dim_}, Size{"--new-tokens", new_tokens_}})
-      require_option(v >= 1, option, v, ">= 1");
     require_option(node_size_ >= 0, "--node-size", node_size_, ">= 0");
     try {
       dtype_ = parse_dtype(dtype_name_);
@@ -165,22 +111,17 @@ class DecodeWorkload final : public Workload {
     require_option(last || placement_name_ == "round_robin", "--placement", placement_name_,
                    "round_robin or last_rank");
     placement_ = last ? Placement::last_rank : Placement::round_robin;
-    // Run as tree, ring, allgather: peak RSS only grows, so less extra memory goes first.
-    const Strategy order[3] = {Strategy::tree, Strategy::ring, Strategy::allgather};
-    bool want[3] = {false, false, false};
-    for (size_t begin = 0, end = 0; end != std::string::npos; begin = end + 1) {
-      end = strategies_str_.find(',', begin);
-      const std::string item = strategies_str_.substr(begin, end - begin);
-      const auto named = [&](Strategy s) { return item == strategy_name(s); };
-      const int i = int(std::find_if(order, order + 3, named) - order);
-      require_option(i < 3 && !want[i], "--strategies", strategies_str_,
-                     "a comma-separated list of tree, ring and allgather, each at most once");
-      want[i] = true;
-    }
-    for (int i = 0; i < 3; ++i)
-      if (want[i]) strategies_.push_back(order[i]);
-    for (Strategy s : strategies_)
-      names_ += cat(names_.empty() ? "" : ",", strategy_name(s));
+    // Run as tree, ring, allgather: peak RSS only grows, so less extra memory goes first. As
+    // many strategies found as items given: every item is one of them, each at most once.
+    const std::string list = cat(",", strategies_str_, ",");
+    for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather})
+      if (list.find(cat(",", strategy_name(s), ",")) != std::string::npos) {
+        names_ += cat(strategies_.empty() ? "" : ",", strategy_name(s));
+        strategies_.push_back(s);
+      }
+    require_option(strategies_.size() + 1 == size_t(std::count(list.begin(), list.end(), ',')),
+                   "--strategies", strategies_str_,
+                   "a comma-separated list of tree, ring and allgather, each at most once");
     if (e.launch.device == "cuda")
       require_option(dtype_ != DType::f32, "--dtype", dtype_name_,
                      "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
@@ -193,12 +134,10 @@ class DecodeWorkload final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    const std::string tree = rt.spans_nodes()
-                                 ? cat("two-level (nodes of ", rt.node().size(), " ranks",
-                                       node_size_ > 0 ? ", declared by --node-size" : "", ")")
-                                 : std::string("flat (one node)");
     return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(),
-                ") threads/rank ", rt.threads(), " tree ", tree),
+                ") threads/rank ", rt.threads(), " tree ",
+                rt.spans_nodes() ? cat("two-level (nodes of ", rt.node().size(), " ranks)")
+                                 : "flat (one node)"),
             settings()};
   }
 
@@ -262,14 +201,13 @@ class DecodeWorkload final : public Workload {
     const Device dev = rt.device();
     KvCache cache(P, r, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_,
                   dev);
-    const double shard_mib = double(B * layout.max_local_len() * G * (D + Dv)) *
-                             double(dtype_size(dtype_)) / (1024.0 * 1024.0);
-    b.note(cat(name, ": generating and prefilling the context, ", context_, " tokens (K/V ",
-               fixed(shard_mib, 1), " MiB per rank) ..."));
+    const double mib =
+        double(B * layout.max_local_len() * G * (D + Dv) * dtype_size(dtype_)) / (1024.0 * 1024.0);
+    b.note(cat(name, ": prefilling ", context_, " tokens (K/V ", fixed(mib, 1), " MiB per rank), ",
+               e_.warmup, " warm-up + ", e_.iters, " timed", b.check() ? " + 1 checked" : "",
+               " decode steps of ", Sq, " token(s) ..."));
     cache.prefill(make_shard(kK, layout, r, B, G, D, dtype_, hk0),
                   make_shard(kV, layout, r, B, G, Dv, dtype_, hk0), layout);
-    b.note(cat(name, ": ", e_.warmup, " warm-up + ", e_.iters, " timed",
-               b.check() ? " + 1 checked" : "", " decode steps of ", Sq, " token(s) ..."));
 
     // A step appends the new tokens' K/V and makes q (untimed), then times dattn::decode, which
     // on a GPU ends when its queued kernels and allreduces have run. The bytes every step counts
@@ -290,9 +228,8 @@ class DecodeWorkload final : public Workload {
     step.model_bytes = [&] { return decode_send_bytes(strategy, cache, Sq, model_nodes_, r); };
     step.unit = "steps";
     const Timing t = b.time(c.label, step);
-
     Row row;
-    const double flops = step_flops(spec) / P / (t.step_mean_ms * 1e-3) / 1e12;
+    const double flops = step_flops(rt.tp_size()) / P / (t.step_mean_ms * 1e-3) / 1e12;
     row.result = {"decode", name, layout_, context_, rt.size(), t.step_mean_ms, flops};
     row.take_bytes(t);
     if (b.check()) {
@@ -306,47 +243,27 @@ class DecodeWorkload final : public Workload {
                           std::pair{"extra_mib_model", extra}, std::pair{"rss_mib", rss}})
       row.extra.add(key, v);
     row.extra.add("byte_mismatches", int64_t(row.byte_mismatches));
-    if (b.check()) {
-      // On the host: this rank's heads against the reference's, then against the first strategy.
-      const Partial got = dev.is_cpu() ? res
-                                       : Partial{res.out.to_device(Device::cpu()),
-                                                 res.lse.to_device(Device::cpu())};
-      const int64_t h0 = rt.tp_rank() * H;
-      const Errors vs = compare(
-          got, [&](int64_t i) { return ref_->out[size_t(all_heads(i, Dv, H, heads_, h0))]; },
-          [&](int64_t i) { return ref_->lse[size_t(all_heads(i, Sq, H, heads_, h0))]; },
-          out_tolerance(b.per_gpu(), dtype_), b.per_gpu() ? kGpuLse : kTol);
-      vs_ref_.add(vs);
-      row.result.wrong = int64_t(vs.wrong());
-      row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked))
-          .add("wrong_vs_float64", int64_t(vs.wrong()))
-          .add("max_err_out", vs.out.max_err)
-          .add("max_err_lse", vs.lse.max_err);
-      if (!first_) {
-        first_ = got;
-      } else {
-        const Errors same = compare(
-            got, [&](int64_t i) { return first_->out.ptr<float>()[i]; },
-            [&](int64_t i) { return first_->lse.ptr<float>()[i]; }, kSame, kSame);
-        vs_first_.add(same);
-        row.result.wrong += int64_t(same.wrong());
-        row.extra.add("wrong_vs_first_strategy", int64_t(same.wrong()))
-            .add("max_diff_out", same.out.max_err)
-            .add("max_diff_lse", same.lse.max_err);
+    if (b.check()) {  // on the host: this rank's heads against the reference, then the first run
+      Partial got = res;
+      if (!dev.is_cpu()) got = {res.out.to_device(Device::cpu()), res.lse.to_device(Device::cpu())};
+      DecodeCheck vs, same;
+      vs.compare(got, ref_->out.data(), ref_->lse.data(), heads_, rt.tp_rank() * H,
+                 out_tolerance(b.per_gpu(), dtype_), b.per_gpu() ? kGpuLse : kTol);
+      row.result.wrong = 0;
+      row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked));
+      record(row, vs_ref_, vs.reduced(), "wrong_vs_float64", "err");
+      if (first_) {
+        same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSame, kSame);
+        record(row, vs_first_, same.reduced(), "wrong_vs_first_strategy", "diff");
       }
+      if (!first_) first_ = got;
     }
+    const auto f3 = [](double v) { return fixed(v, 3); };
     const double sent_kb = t.sent_mb * 1e3;
-    row.cells = {name,
-                 std::to_string(context_),
-                 fixed(t.step_mean_ms, 3),
-                 fixed(t.p50_ms, 3),
-                 fixed(t.p99_ms, 3),
-                 fixed(sent_kb, 3),
-                 fixed(t.model_mb * 1e3, 3),
-                 fixed(extra, 3),
-                 fixed(rss, 1),
-                 wrong_cell(row)};
-    if (b.per_gpu()) row.cells.insert(row.cells.begin() + 5, fixed(flops, 3));
+    row.cells = {
+        name,        std::to_string(context_), f3(t.step_mean_ms), f3(t.p50_ms),  f3(t.p99_ms),
+        f3(sent_kb), f3(t.model_mb * 1e3),     f3(extra),          fixed(rss, 1), wrong_cell(row)};
+    if (b.per_gpu()) row.cells.insert(row.cells.begin() + 5, f3(flops));
     stats_[strategy] = {t.step_mean_ms, t.p50_ms, sent_kb};
     return {row};
   }
@@ -357,31 +274,16 @@ class DecodeWorkload final : public Workload {
       byte_mismatches += row.byte_mismatches;
     top.add("byte_mismatches", int64_t(byte_mismatches));
     const bool root = b.root();
-    if (root)
-      std::printf(
-          "# Check: latency = the slowest rank's time of dattn::decode per step (after a "
-          "barrier),\n"
-          "#   over %d timed steps after %d warm-up; sent = bytes counted per rank per timed step\n"
-          "#   (every op but \"control\"), max over ranks; model = decode_send_bytes, which every\n"
-          "#   step of every rank must equal; extra = the strategy's memory beyond the cache by\n"
-          "#   model; rss = peak ru_maxrss after the strategy's steps, max over ranks.\n",
-          e_.iters, e_.warmup);
-    if (root && b.check()) {
+    if (root && b.check()) {  // the check's totals over the strategies, with their bounds
       const Tolerance out = out_tolerance(b.per_gpu(), dtype_), lse = b.per_gpu() ? kGpuLse : kTol;
-      std::printf(
-          "# Check: one more step, all of out and lse on every rank, against float64 attention\n"
-          "#   over all %lld keys (causal; inputs rounded to %s on both sides): out within %g +\n"
-          "#   %g*|ref|, lse within %g + %g*|ref|; each strategy against the first within %g +\n"
-          "#   %g*|other|. Both count in #wrong.\n",
-          static_cast<long long>(final_length()), dtype_name(dtype_), out.abs, out.rel, lse.abs,
-          lse.rel, kSame.abs, kSame.rel);
-      for (auto [label, e, what] : {std::tuple{"vs float64", &vs_ref_, "err"},
-                                    std::tuple{"strategies agree", &vs_first_, "diff"}})
-        if (e->out.checked > 0)
-          report::print_footer_line(
-              stdout, label,
-              cat(e->wrong(), " wrong; max |", what, "| out ", report::sci(e->out.max_err, 2),
-                  ", lse ", report::sci(e->lse.max_err, 2)));
+      report::print_footer_line(
+          stdout, "vs float64",
+          cat(vs_ref_.line("err"), " (within out ", out.abs, " + ", out.rel, "*|ref|, lse ",
+              lse.abs, " + ", lse.rel, "*|ref|, ", final_length(), " keys)"));
+      if (vs_first_.out.checked > 0)
+        report::print_footer_line(stdout, "strategies agree",
+                                  cat(vs_first_.line("diff"), " (within ", kSame.abs, " + ",
+                                      kSame.rel, "*|first strategy|)"));
     }
     // tree against ring (the target) and allgather: times faster (mean, p50) and fewer bytes.
     std::optional<bool> met;  // set when tree and ring both ran
@@ -418,82 +320,59 @@ class DecodeWorkload final : public Workload {
 
   // Every rank's prefilled tokens (runs of global positions), the decoded tokens the placement
   // gives it, its heads and its model bytes per timed step for each strategy; nothing computed.
-  // The byte model reads the cache's runs, so the plan builds the cache of one rank (the one with
-  // the fewest context tokens: its buffers are allocated, never filled) and appends the steps.
+  // The byte model reads the cache's runs, so the plan builds rank 0's cache (its buffers are
+  // allocated, never filled) and appends the steps.
+  // --node-size 0 means the job's real nodes, unknown before it runs: the plan takes one node.
   void plan(Plan& p) const override {
     const int W = e_.launch.world, P = e_.launch.cp, T = e_.launch.tp, n = node_size_;
     const int64_t Hl = heads_ / T, Gl = kv_heads_ / T, Sq = new_tokens_, B = batch_;
     const AttnSpec spec = make_spec(T);
     const Layout layout = Layout::make(layout_, context_, P);
-    const double flops = step_flops(spec);
     p.line(cat("world ", W, " ranks = cp ", P, " x tp ", T, " (tp the fastest rank index); ",
                settings()));
-    // --node-size 0 means the job's real nodes, unknown before it runs: the plan takes one node.
-    p.line(cat(T, " cp group(s) of ", P, " ranks (world ranks t, t+", T, ", ...), ", P,
-               " tp group(s) of ", T, " consecutive ranks; tree ",
-               n > 0 && n < P ? cat("two-level, nodes of ", n, " cp ranks")
-                              : std::string("flat (one node)"),
-               "; device ", device_plan(e_.launch)));
-    p.line(cat("per step: ", fixed(flops / 1e9, 6), " GFLOP per tp slice (", Sq,
-               " new queries against ", context_, " context tokens), ", fixed(flops / P / 1e9, 6),
-               " GFLOP per rank; ", steps_total(), " steps, ", e_.iters, " of them timed"));
-    int mine = 0;
-    for (int c = 1; c < P; ++c)
-      if (layout.local_len(c) < layout.local_len(mine)) mine = c;
-    KvCache cache(P, mine, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq,
-                  placement_);
-    const int64_t len = layout.local_len(mine);
+    p.line(cat("cp groups: world ranks t, t+", T, ", ...; tp groups: ", T,
+               " consecutive ranks; tree ",
+               n > 0 && n < P ? cat("two-level, nodes of ", n) : "flat", "; device ",
+               device_plan(e_.launch), "; ", fixed(step_flops(T) / P / 1e9, 6),
+               " GFLOP per rank per step"));
+    KvCache cache(P, 0, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_);
+    const int64_t len = layout.local_len(0);
     cache.prefill(Tensor::empty({B, len, Gl, head_dim_}, dtype_),
                   Tensor::empty({B, len, Gl, spec.dim_v()}, dtype_), layout);
     const Tensor k_new = Tensor::zeros({B, Sq, Gl, head_dim_}, dtype_);
     const Tensor v_new = Tensor::zeros({B, Sq, Gl, spec.dim_v()}, dtype_);
-    std::map<int, std::vector<double>> model;  // cp rank of a shown rank: bytes per strategy
+    std::map<int, std::vector<double>> kb;  // cp rank of a shown rank: KB per step per strategy
     for (int rank : Plan::shown(W))
-      model[rank / T].assign(strategies_.size(), 0.0);
+      kb[rank / T].assign(strategies_.size(), 0.0);
     for (int64_t step = 0; step < steps_total(); ++step) {
       cache.append(k_new, v_new);
-      if (step < e_.warmup || step >= e_.warmup + e_.iters) continue;
-      for (auto& [c, bytes] : model)
-        for (size_t i = 0; i < strategies_.size(); ++i)
-          bytes[i] += double(decode_send_bytes(strategies_[i], cache, Sq, n, c)) / e_.iters / 1e3;
+      for (auto& [c, v] : kb)
+        for (size_t i = 0; i < v.size() && step >= e_.warmup && step < e_.warmup + e_.iters; ++i)
+          v[i] += double(decode_send_bytes(strategies_[i], cache, Sq, n, c)) / e_.iters / 1e3;
     }
-    std::vector<report::Column> cols = {{"rank", "", 6},
-                                        {"cp", "", 5},
-                                        {"tp", "", 4},
-                                        {"context", "(tokens)", 9},
-                                        {"decoded", "(tokens)", 9},
-                                        {"q_heads", "", 9},
-                                        {"kv_heads", "", 9}};
+    std::vector<report::Column> cols = {{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}};
+    for (const char* name : {"context", "decoded"})
+      cols.push_back({name, "(tokens)", 9});
+    cols.insert(cols.end(), {{"q_heads", "", 9}, {"kv_heads", "", 9}});
     for (Strategy s : strategies_)
       cols.push_back({strategy_name(s), "(KB/step)", 12});
-    cols.push_back({"decoded at", "(positions)", 20});
-    cols.push_back({"context at", "(positions, runs)", 0});
-    p.line(cat("per rank: context tokens (", layout_, " layout), decoded tokens kept (",
-               placement_name(placement_),
-               " placement), model bytes per timed step (1 KB = 1e3 B):"));
+    cols.push_back({"positions", "(context runs, then decoded)", 0});
+    p.line(cat("per rank: context (", layout_, " layout) and decoded tokens (", steps_total(),
+               " steps, ", placement_name(placement_), "), model bytes per timed step (1e3 B):"));
     p.table(cols);
     p.for_shown(W, [&](int rank) {
       const int c = rank / T, tp = rank % T;
-      size_t prompt = 0;  // the context's runs come first, then one run of decoded tokens
-      for (const Run& run : layout.runs(c))
-        prompt += run.length > 0 ? 1 : 0;
-      std::vector<std::string> ctx, dec;
-      int64_t decoded = 0;
-      for (size_t i = 0; i < cache.runs(c).size(); ++i) {
-        (i < prompt ? ctx : dec).push_back(report::run_desc(cache.runs(c)[i]));
-        decoded += i < prompt ? 0 : cache.runs(c)[i].length;
-      }
-      std::vector<std::string> cells = {std::to_string(rank),
-                                        std::to_string(c),
-                                        std::to_string(tp),
-                                        std::to_string(layout.local_len(c)),
-                                        std::to_string(decoded),
-                                        report::index_range(tp * Hl, Hl),
-                                        report::index_range(tp * Gl, Gl)};
-      for (double kb : model.at(c))
-        cells.push_back(fixed(kb, 3));
-      cells.push_back(dec.empty() ? "-" : report::join(dec, " "));
-      cells.push_back(ctx.empty() ? "-" : report::join(ctx, " "));
+      std::vector<std::string> cells, runs;
+      for (int64_t v : {int64_t(rank), int64_t(c), int64_t(tp), layout.local_len(c),
+                        cache.local_len(c) - layout.local_len(c)})
+        cells.push_back(std::to_string(v));
+      cells.push_back(report::index_range(tp * Hl, Hl));
+      cells.push_back(report::index_range(tp * Gl, Gl));
+      for (double v : kb.at(c))
+        cells.push_back(fixed(v, 3));
+      for (const Run& run : cache.runs(c))
+        if (run.length > 0) runs.push_back(report::run_desc(run));
+      cells.push_back(report::join(runs, " "));
       p.row(cells);
     });
   }
@@ -515,21 +394,24 @@ class DecodeWorkload final : public Workload {
   int64_t steps_total() const { return e_.warmup + e_.iters + (e_.check ? 1 : 0); }
   // Tokens in the cache after the last step: the checked step's keys.
   int64_t final_length() const { return context_ + steps_total() * new_tokens_; }
-  // The spec of one tp rank: its share of the heads, causal.
-  AttnSpec make_spec(int tp) const {
-    AttnSpec spec;
-    spec.heads_q = heads_ / tp;
-    spec.heads_kv = kv_heads_ / tp;
-    spec.head_dim = head_dim_;
-    spec.mask = Mask::causal();
-    spec.validate();
-    return spec;
+  // The spec of one tp rank: its share of the heads.
+  AttnSpec make_spec(int tp, Mask mask = Mask::causal()) const {
+    return {
+        .heads_q = heads_ / tp, .heads_kv = kv_heads_ / tp, .head_dim = head_dim_, .mask = mask};
   }
-  // The attention FLOPs of one decode step by model, for the heads of `spec`: the S_q new queries
+  // The attention FLOPs of one decode step by model, for one tp rank's heads: the S_q new queries
   // against the prefilled context, every key visible; the new tokens among themselves left out.
-  double step_flops(AttnSpec spec) const {
-    spec.mask = Mask::none();
-    return attention_flops(batch_, new_tokens_, context_, spec);
+  double step_flops(int tp) const {
+    return attention_flops(batch_, new_tokens_, context_, make_spec(tp, Mask::none()));
+  }
+  // A comparison's #wrong into the row and its JSON keys; its statistics into the run's total.
+  static void record(Row& row, DecodeCheck& total, const DecodeCheck& e, const char* key,
+                     const char* err) {
+    total.add(e);
+    row.result.wrong += int64_t(e.wrong());
+    row.extra.add(key, int64_t(e.wrong()))
+        .add(cat("max_", err, "_out"), e.out.max_err)
+        .add(cat("max_", err, "_lse"), e.lse.max_err);
   }
 
   int64_t context_ = 65536, batch_ = 1, heads_ = 8, kv_heads_ = 2, head_dim_ = 128, new_tokens_ = 1;
@@ -547,7 +429,7 @@ class DecodeWorkload final : public Workload {
   bool two_level_ = false;
   std::optional<DecodeReference> ref_;
   std::optional<Partial> first_;
-  Errors vs_ref_, vs_first_;
+  DecodeCheck vs_ref_, vs_first_;
   std::map<Strategy, Stat> stats_;
 };
 

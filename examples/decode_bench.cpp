@@ -1,16 +1,10 @@
-// The decode workload on the benchmark engine (examples/engine.h): each rank prefills its shard
-// of a long context into a KvCache, then each strategy (tree, ring, allgather) decodes S_q new
-// tokens per step, one row each: step latency, bytes against decode_send_bytes, extra memory, and
-// one more step checked against a float64 attention over the whole context and the first strategy.
+// The decode workload (examples/engine.h): each rank prefills its shard of a context into a
+// KvCache, then each strategy (tree, ring, allgather) decodes S_q new tokens per step, a row each:
+// latency, bytes against decode_send_bytes, extra memory, one more step checked against float64.
 #include <algorithm>
-#include <cstdint>
-#include <cstdio>
 #include <map>
-#include <memory>
 #include <optional>
-#include <string>
 #include <utility>
-#include <vector>
 
 #include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
@@ -34,25 +28,20 @@ enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };  // the hashed inputs of be
 // Against float64, with inputs rounded to the storage dtype on both sides: the CPU kernel computes
 // in fp32 whatever the dtype; the CUDA kernel rounds P to it before O += P V (its out bound is a
 // 16-bit rounding of out), its lse from fp32 scores. Strategies must agree within kSame.
-constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5}, kGpuLse{2e-4, 2e-4};
-Tolerance out_tolerance(bool gpu, DType dtype) {
-  return !gpu ? kTol : dtype == DType::bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
-}
+constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
 
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
 // buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
 // the largest shard's K and V (none on one rank); allgather the whole context's K and V.
 double extra_bytes_model(Strategy s, const KvCache& cache, int64_t s_q) {
   const AttnSpec& spec = cache.spec();
-  const double B = double(cache.batch()), H = double(spec.heads_q);
-  const double kv_token =
-      double(spec.heads_kv * (spec.head_dim + spec.dim_v()) * dtype_size(cache.dtype()));
-  if (s == Strategy::tree) return B * double(s_q) * H * double(spec.dim_v() + 1) * 4.0 * 2.0;
-  if (s != Strategy::ring) return B * double(cache.length()) * kv_token;
-  int64_t largest = 0;
-  for (int r = 0; r < cache.ranks(); ++r)
-    largest = std::max(largest, cache.local_len(r));
-  return cache.ranks() == 1 ? 0 : 2.0 * B * double(largest) * kv_token;
+  if (s == Strategy::tree)
+    return double(cache.batch() * s_q * spec.heads_q * (spec.dim_v() + 1) * 8);
+  int64_t tokens = s == Strategy::ring ? 0 : cache.length();
+  for (int r = 0; s == Strategy::ring && cache.ranks() > 1 && r < cache.ranks(); ++r)
+    tokens = std::max(tokens, 2 * cache.local_len(r));
+  return double(cache.batch() * tokens * spec.heads_kv * (spec.head_dim + spec.dim_v()) *
+                dtype_size(cache.dtype()));
 }
 
 class DecodeWorkload final : public Workload {
@@ -78,13 +67,11 @@ class DecodeWorkload final : public Workload {
     add("head-dim,d", &head_dim_, "head dimension D");
     add("new-tokens,q", &new_tokens_, "new tokens S_q per step (queries, and K/V appended)");
     add("dtype,t", &dtype_name_, "storage dtype of the cache and the queries: fp32, bf16 or fp16");
-    add("strategies,a", &strategies_str_,
-        "comma-separated decode strategies: tree, ring, allgather (always run in that order)");
+    add("strategies,a", &strategies_str_, "comma-separated: tree, ring, allgather (run so)");
     add("placement,p", &placement_name_, "who stores each decoded token: round_robin, last_rank");
     add("layout,l", &layout_, "layout of the prefilled context: contiguous, zigzag or striped");
     add("node-size", &node_size_,
-        "ranks per node for the tree: 0 = the real nodes; N = fake nodes of N consecutive ranks "
-        "(two-level tree on one machine)");
+        "ranks per node for the tree: 0 = the real nodes; N = fake nodes of N consecutive ranks");
   }
 
   void resolve(const po::variables_map&, const EngineOptions& e) override {
@@ -96,9 +83,8 @@ class DecodeWorkload final : public Workload {
       require_option(v >= 1, option, v, ">= 1");
     require_option(heads_ % kv_heads_ == 0, "--kv-heads", kv_heads_,
                    cat(">= 1 and dividing --heads (", heads_, ")"));
-    require_option(
-        kv_heads_ % e.launch.tp == 0, "--kv-heads", kv_heads_,
-        cat("divisible by --tp (", e.launch.tp, "): tensor parallelism splits the heads"));
+    require_option(kv_heads_ % e.launch.tp == 0, "--kv-heads", kv_heads_,
+                   cat("divisible by --tp (", e.launch.tp, "): tp splits the heads"));
     require_option(node_size_ >= 0, "--node-size", node_size_, ">= 0");
     try {
       dtype_ = parse_dtype(dtype_name_);
@@ -111,20 +97,17 @@ class DecodeWorkload final : public Workload {
     require_option(last || placement_name_ == "round_robin", "--placement", placement_name_,
                    "round_robin or last_rank");
     placement_ = last ? Placement::last_rank : Placement::round_robin;
-    // Run as tree, ring, allgather: peak RSS only grows, so less extra memory goes first. As
-    // many strategies found as items given: every item is one of them, each at most once.
+    // In the order of least extra memory first (peak RSS only grows); as many found as given.
     const std::string list = cat(",", strategies_str_, ",");
     for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather})
-      if (list.find(cat(",", strategy_name(s), ",")) != std::string::npos) {
-        names_ += cat(strategies_.empty() ? "" : ",", strategy_name(s));
-        strategies_.push_back(s);
-      }
+      if (list.find(cat(",", strategy_name(s), ",")) != std::string::npos) strategies_.push_back(s);
     require_option(strategies_.size() + 1 == size_t(std::count(list.begin(), list.end(), ',')),
                    "--strategies", strategies_str_,
                    "a comma-separated list of tree, ring and allgather, each at most once");
-    if (e.launch.device == "cuda")
-      require_option(dtype_ != DType::f32, "--dtype", dtype_name_,
-                     "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
+    for (Strategy s : strategies_)
+      names_ += cat(names_.empty() ? "" : ",", strategy_name(s));
+    require_option(e.launch.device != "cuda" || dtype_ != DType::f32, "--dtype", dtype_name_,
+                   "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
   }
 
   RuntimeOptions runtime_options(const EngineOptions& e) const override {
@@ -142,22 +125,15 @@ class DecodeWorkload final : public Workload {
   }
 
   void config_json(report::JsonObject& cfg) const override {
-    using Text = std::pair<const char*, std::string>;
-    for (const auto& [key, v] :
-         {Text{"strategies", names_}, Text{"layout", layout_}, Text{"mask", "causal"},
-          Text{"placement", placement_name(placement_)}, Text{"dtype", dtype_name(dtype_)}})
-      cfg.add(key, v);
-    using Size = std::pair<const char*, int64_t>;
-    for (auto [key, v] :
-         {Size{"context", context_}, Size{"batch", batch_}, Size{"heads", heads_},
-          Size{"kv_heads", kv_heads_}, Size{"head_dim", head_dim_}, Size{"new_tokens", new_tokens_},
-          Size{"node_size", node_size_}, Size{"model_node_size", model_nodes_}})
-      cfg.add(key, v);
+    cfg.add("strategies", names_).add("context", context_).add("layout", layout_);
+    cfg.add("placement", placement_name(placement_)).add("mask", "causal");
+    cfg.add("dtype", dtype_name(dtype_)).add("batch", batch_).add("heads", heads_);
+    cfg.add("kv_heads", kv_heads_).add("head_dim", head_dim_).add("new_tokens", new_tokens_);
+    cfg.add("node_size", node_size_).add("model_node_size", model_nodes_);
     cfg.add("two_level_tree", two_level_);
   }
 
-  // On a GPU the table adds TFLOP/s per GPU; a CPU rank's decode is bound by memory and messages
-  // (the JSON rows carry tflops_per_rank on both).
+  // A GPU's table adds TFLOP/s (a CPU rank's decode is bound by memory and messages).
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
     std::vector<report::Column> cols = {{"strategy", "", 10},  {"context", "(tokens)", 9},
                                         {"mean", "(ms)", 10},  {"p50", "(ms)", 10},
@@ -182,13 +158,16 @@ class DecodeWorkload final : public Workload {
     const char* name = strategy_name(strategy);
     const int P = rt.cp_size(), r = rt.cp_rank();
     const AttnSpec spec = make_spec(rt.tp_size());
-    const int64_t H = spec.heads_q, G = spec.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
+    const int64_t H = spec.heads_q, G = spec.heads_kv, D = head_dim_;  // D_v = D
     const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G, Sq = new_tokens_, B = batch_;
     const Layout layout = Layout::make(layout_, context_, P);
     model_nodes_ = node_size_ > 0 ? node_size_ : rt.spans_nodes() ? rt.node().size() : 0;
     two_level_ = rt.spans_nodes();
     if (b.check() && !ref_) {  // of the checked step, the last one, the same for every strategy
       b.note(cat("check: float64 reference of the last step over all ", final_length(), " keys"));
+      const bool bf16 = dtype_ == DType::bf16, gpu = b.per_gpu();
+      tol_out_ = !gpu ? kTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
+      tol_lse_ = !gpu ? kTol : Tolerance{2e-4, 2e-4};
       ref_ = decode_reference(
           {B, Sq, heads_, kv_heads_, head_dim_}, final_length(), kQ, kK, kV,
           [&](uint64_t id, int64_t bi, int64_t pos, int64_t h, int64_t dim, float* out) {
@@ -201,24 +180,21 @@ class DecodeWorkload final : public Workload {
     const Device dev = rt.device();
     KvCache cache(P, r, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_,
                   dev);
-    const double mib =
-        double(B * layout.max_local_len() * G * (D + Dv) * dtype_size(dtype_)) / (1024.0 * 1024.0);
-    b.note(cat(name, ": prefilling ", context_, " tokens (K/V ", fixed(mib, 1), " MiB per rank), ",
-               e_.warmup, " warm-up + ", e_.iters, " timed", b.check() ? " + 1 checked" : "",
-               " decode steps of ", Sq, " token(s) ..."));
+    b.note(cat(name, ": prefilling ", context_, " tokens, ", e_.warmup, " warm-up + ", e_.iters,
+               " timed", b.check() ? " + 1 checked" : "", " decode steps of ", Sq,
+               " token(s) ..."));
     cache.prefill(make_shard(kK, layout, r, B, G, D, dtype_, hk0),
-                  make_shard(kV, layout, r, B, G, Dv, dtype_, hk0), layout);
+                  make_shard(kV, layout, r, B, G, D, dtype_, hk0), layout);
 
-    // A step appends the new tokens' K/V and makes q (untimed), then times dattn::decode, which
-    // on a GPU ends when its queued kernels and allreduces have run. The bytes every step counts
-    // (the checked one too) must equal decode_send_bytes.
+    // A step appends the new tokens' K/V and makes q, then times dattn::decode (on a GPU, until
+    // its queued work has run); every step's bytes (the checked one's too) are the model's.
     Tensor q;
     Partial res;
     TimedCall step;
     step.prepare = [&](int) {
       const int64_t pos0 = cache.length();
       cache.append(make_tokens(kK, pos0, Sq, B, G, D, dtype_, hk0),
-                   make_tokens(kV, pos0, Sq, B, G, Dv, dtype_, hk0));
+                   make_tokens(kV, pos0, Sq, B, G, D, dtype_, hk0));
       q = on_device(make_tokens(kQ, pos0, Sq, B, H, D, dtype_, hq0), dev);
     };
     step.call = [&] {
@@ -230,7 +206,8 @@ class DecodeWorkload final : public Workload {
     const Timing t = b.time(c.label, step);
     Row row;
     const double flops = step_flops(rt.tp_size()) / P / (t.step_mean_ms * 1e-3) / 1e12;
-    row.result = {"decode", name, layout_, context_, rt.size(), t.step_mean_ms, flops};
+    // #wrong is never N/A: every step's bytes are checked (and with -k, the elements).
+    row.result = {"decode", name, layout_, context_, rt.size(), t.step_mean_ms, flops, 0, 0, 0};
     row.take_bytes(t);
     if (b.check()) {
       step.warmup = 0, step.iters = 1;
@@ -238,18 +215,15 @@ class DecodeWorkload final : public Workload {
     }
     const double extra = extra_bytes_model(strategy, cache, Sq) / (1024.0 * 1024.0);
     const double rss = allreduce_max(peak_rss_mib());
-    row.extra.add("final_length", cache.length());
-    for (auto [key, v] : {std::pair{"p50_ms", t.p50_ms}, std::pair{"p99_ms", t.p99_ms},
-                          std::pair{"extra_mib_model", extra}, std::pair{"rss_mib", rss}})
-      row.extra.add(key, v);
+    row.extra.add("final_length", cache.length()).add("p50_ms", t.p50_ms).add("p99_ms", t.p99_ms);
+    row.extra.add("extra_mib_model", extra).add("rss_mib", rss);
     row.extra.add("byte_mismatches", int64_t(row.byte_mismatches));
     if (b.check()) {  // on the host: this rank's heads against the reference, then the first run
       Partial got = res;
       if (!dev.is_cpu()) got = {res.out.to_device(Device::cpu()), res.lse.to_device(Device::cpu())};
       DecodeCheck vs, same;
-      vs.compare(got, ref_->out.data(), ref_->lse.data(), heads_, rt.tp_rank() * H,
-                 out_tolerance(b.per_gpu(), dtype_), b.per_gpu() ? kGpuLse : kTol);
-      row.result.wrong = 0;
+      vs.compare(got, ref_->out.data(), ref_->lse.data(), heads_, rt.tp_rank() * H, tol_out_,
+                 tol_lse_);
       row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked));
       record(row, vs_ref_, vs.reduced(), "wrong_vs_float64", "err");
       if (first_) {
@@ -259,27 +233,20 @@ class DecodeWorkload final : public Workload {
       if (!first_) first_ = got;
     }
     const auto f3 = [](double v) { return fixed(v, 3); };
-    const double sent_kb = t.sent_mb * 1e3;
-    row.cells = {
-        name,        std::to_string(context_), f3(t.step_mean_ms), f3(t.p50_ms),  f3(t.p99_ms),
-        f3(sent_kb), f3(t.model_mb * 1e3),     f3(extra),          fixed(rss, 1), wrong_cell(row)};
+    row.cells = {name,          std::to_string(context_), f3(t.step_mean_ms),   f3(t.p50_ms),
+                 f3(t.p99_ms),  f3(t.sent_mb * 1e3),      f3(t.model_mb * 1e3), f3(extra),
+                 fixed(rss, 1), wrong_cell(row)};
     if (b.per_gpu()) row.cells.insert(row.cells.begin() + 5, f3(flops));
-    stats_[strategy] = {t.step_mean_ms, t.p50_ms, sent_kb};
+    timing_[strategy] = t;
     return {row};
   }
 
-  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override {
-    uint64_t byte_mismatches = 0;
-    for (const Row& row : rows)
-      byte_mismatches += row.byte_mismatches;
-    top.add("byte_mismatches", int64_t(byte_mismatches));
-    const bool root = b.root();
-    if (root && b.check()) {  // the check's totals over the strategies, with their bounds
-      const Tolerance out = out_tolerance(b.per_gpu(), dtype_), lse = b.per_gpu() ? kGpuLse : kTol;
-      report::print_footer_line(
-          stdout, "vs float64",
-          cat(vs_ref_.line("err"), " (within out ", out.abs, " + ", out.rel, "*|ref|, lse ",
-              lse.abs, " + ", lse.rel, "*|ref|, ", final_length(), " keys)"));
+  void finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) override {
+    if (b.root() && b.check()) {  // the check's totals over the strategies, with their bounds
+      report::print_footer_line(stdout, "vs float64",
+                                cat(vs_ref_.line("err"), " (within out ", tol_out_.abs, " + ",
+                                    tol_out_.rel, "*|ref|, lse ", tol_lse_.abs, " + ", tol_lse_.rel,
+                                    "*|ref|, ", final_length(), " keys)"));
       if (vs_first_.out.checked > 0)
         report::print_footer_line(stdout, "strategies agree",
                                   cat(vs_first_.line("diff"), " (within ", kSame.abs, " + ",
@@ -288,13 +255,12 @@ class DecodeWorkload final : public Workload {
     // tree against ring (the target) and allgather: times faster (mean, p50) and fewer bytes.
     std::optional<bool> met;  // set when tree and ring both ran
     for (Strategy other : {Strategy::ring, Strategy::allgather}) {
-      if (!stats_.count(Strategy::tree) || !stats_.count(other)) continue;
-      const Stat &t = stats_[Strategy::tree], &o = stats_[other];
-      const double mean = o.mean / t.mean, p50 = o.p50 / t.p50, bytes = o.sent_kb / t.sent_kb;
-      if (root)
-        std::printf("# tree vs %s: latency %sx faster (mean; p50 %sx), bytes %sx fewer\n",
-                    strategy_name(other), fixed(mean, 1).c_str(), fixed(p50, 1).c_str(),
-                    fixed(bytes, 1).c_str());
+      if (!timing_.count(Strategy::tree) || !timing_.count(other)) continue;
+      const Timing &t = timing_[Strategy::tree], &o = timing_[other];
+      const double mean = o.step_mean_ms / t.step_mean_ms, p50 = o.p50_ms / t.p50_ms;
+      const double bytes = o.sent_mb / t.sent_mb;
+      b.note(cat("tree vs ", strategy_name(other), ": latency ", fixed(mean, 1),
+                 "x faster (mean; p50 ", fixed(p50, 1), "x), bytes ", fixed(bytes, 1), "x fewer"));
       report::JsonObject j;
       j.add("latency_mean", mean).add("latency_p50", p50).add("bytes", bytes);
       top.add_raw(cat("tree_vs_", strategy_name(other)), j.str());
@@ -303,14 +269,13 @@ class DecodeWorkload final : public Workload {
     const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && context_ == 262144 &&
                         dtype_ == DType::f32 && heads_ == 8 && kv_heads_ == 2 && head_dim_ == 128 &&
                         new_tokens_ == 1 && batch_ == 1;
-    if (root)
-      std::printf(
-          "# target: 4 ranks, context 262144, fp32, H=8, H_kv=2, D=128, S_q=1: tree >= 8x faster "
-          "than ring, >= 100x fewer bytes%s\n",
-          !target ? " (this run is not the target configuration)"
-          : !met  ? " (this run has not both tree and ring)"
-          : *met  ? ": met"
-                  : ": NOT met");
+    b.note(
+        cat("target: 4 ranks, context 262144, fp32, H=8, H_kv=2, D=128, S_q=1: tree >= 8x "
+            "faster than ring, >= 100x fewer bytes",
+            !target ? " (this run is not the target configuration)"
+            : !met  ? " (this run has not both tree and ring)"
+            : *met  ? ": met"
+                    : ": NOT met"));
     report::JsonObject j;
     j.add("ranks", 4).add("context", int64_t(262144)).add("latency_ratio_vs_ring", 8.0);
     j.add("bytes_ratio_vs_ring", 100.0).add("this_run_is_target", target);
@@ -318,10 +283,8 @@ class DecodeWorkload final : public Workload {
     top.add_raw("target", j.str());
   }
 
-  // Every rank's prefilled tokens (runs of global positions), the decoded tokens the placement
-  // gives it, its heads and its model bytes per timed step for each strategy; nothing computed.
-  // The byte model reads the cache's runs, so the plan builds rank 0's cache (its buffers are
-  // allocated, never filled) and appends the steps.
+  // Every rank's context and decoded tokens, heads and model bytes per step for each strategy, from
+  // rank 0's cache (allocated, never filled; it holds every rank's runs) after the run's appends.
   // --node-size 0 means the job's real nodes, unknown before it runs: the plan takes one node.
   void plan(Plan& p) const override {
     const int W = e_.launch.world, P = e_.launch.cp, T = e_.launch.tp, n = node_size_;
@@ -336,16 +299,14 @@ class DecodeWorkload final : public Workload {
                device_plan(e_.launch), "; ", fixed(step_flops(T) / P / 1e9, 6),
                " GFLOP per rank per step"));
     KvCache cache(P, 0, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_);
-    const int64_t len = layout.local_len(0);
-    cache.prefill(Tensor::empty({B, len, Gl, head_dim_}, dtype_),
-                  Tensor::empty({B, len, Gl, spec.dim_v()}, dtype_), layout);
-    const Tensor k_new = Tensor::zeros({B, Sq, Gl, head_dim_}, dtype_);
-    const Tensor v_new = Tensor::zeros({B, Sq, Gl, spec.dim_v()}, dtype_);
+    const Tensor kv = Tensor::empty({B, layout.local_len(0), Gl, head_dim_}, dtype_);  // D_v = D
+    const Tensor kv_new = Tensor::zeros({B, Sq, Gl, head_dim_}, dtype_);
+    cache.prefill(kv, kv, layout);
     std::map<int, std::vector<double>> kb;  // cp rank of a shown rank: KB per step per strategy
     for (int rank : Plan::shown(W))
       kb[rank / T].assign(strategies_.size(), 0.0);
     for (int64_t step = 0; step < steps_total(); ++step) {
-      cache.append(k_new, v_new);
+      cache.append(kv_new, kv_new);
       for (auto& [c, v] : kb)
         for (size_t i = 0; i < v.size() && step >= e_.warmup && step < e_.warmup + e_.iters; ++i)
           v[i] += double(decode_send_bytes(strategies_[i], cache, Sq, n, c)) / e_.iters / 1e3;
@@ -378,10 +339,6 @@ class DecodeWorkload final : public Workload {
   }
 
  private:
-  struct Stat {
-    double mean = 0, p50 = 0, sent_kb = 0;
-  };
-
   // The run's settings, as the header and the plan print them.
   std::string settings() const {
     return cat("strategies ", names_, " context ", context_, " layout ", layout_, " placement ",
@@ -395,9 +352,8 @@ class DecodeWorkload final : public Workload {
   // Tokens in the cache after the last step: the checked step's keys.
   int64_t final_length() const { return context_ + steps_total() * new_tokens_; }
   // The spec of one tp rank: its share of the heads.
-  AttnSpec make_spec(int tp, Mask mask = Mask::causal()) const {
-    return {
-        .heads_q = heads_ / tp, .heads_kv = kv_heads_ / tp, .head_dim = head_dim_, .mask = mask};
+  AttnSpec make_spec(int tp, Mask m = Mask::causal()) const {
+    return {.heads_q = heads_ / tp, .heads_kv = kv_heads_ / tp, .head_dim = head_dim_, .mask = m};
   }
   // The attention FLOPs of one decode step by model, for one tp rank's heads: the S_q new queries
   // against the prefilled context, every key visible; the new tokens among themselves left out.
@@ -405,9 +361,8 @@ class DecodeWorkload final : public Workload {
     return attention_flops(batch_, new_tokens_, context_, make_spec(tp, Mask::none()));
   }
   // A comparison's #wrong into the row and its JSON keys; its statistics into the run's total.
-  static void record(Row& row, DecodeCheck& total, const DecodeCheck& e, const char* key,
-                     const char* err) {
-    total.add(e);
+  void record(Row& row, DecodeCheck& sum, const DecodeCheck& e, const char* key, const char* err) {
+    sum.add(e);
     row.result.wrong += int64_t(e.wrong());
     row.extra.add(key, int64_t(e.wrong()))
         .add(cat("max_", err, "_out"), e.out.max_err)
@@ -423,14 +378,15 @@ class DecodeWorkload final : public Workload {
   std::vector<Strategy> strategies_;
   std::string names_;  // strategies_ as "tree,ring"
   EngineOptions e_;
-  // What the run found: the tree's node size for the model, the reference, the first strategy's
-  // checked result, the totals of both checks, and each strategy's figures for the ratios.
+  // What the run found: the model's node size, the check's reference, bounds, first result and
+  // totals, and each strategy's timing (for the ratios).
   int model_nodes_ = 0;
   bool two_level_ = false;
   std::optional<DecodeReference> ref_;
   std::optional<Partial> first_;
   DecodeCheck vs_ref_, vs_first_;
-  std::map<Strategy, Stat> stats_;
+  Tolerance tol_out_, tol_lse_;
+  std::map<Strategy, Timing> timing_;
 };
 
 }  // namespace

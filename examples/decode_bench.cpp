@@ -67,7 +67,8 @@ class DecodeWorkload final : public Workload {
     add("head-dim,d", &head_dim_, "head dimension D");
     add("new-tokens,q", &new_tokens_, "new tokens S_q per step (queries, and K/V appended)");
     add("dtype,t", &dtype_name_, "storage dtype of the cache and the queries: fp32, bf16 or fp16");
-    add("strategies,a", &strategies_str_, "comma-separated: tree, ring, allgather (run so)");
+    add("strategies,a", &strategies_str_,
+        "comma-separated decode strategies: tree, ring, allgather (always run in that order)");
     add("placement,p", &placement_name_, "who stores each decoded token: round_robin, last_rank");
     add("layout,l", &layout_, "layout of the prefilled context: contiguous, zigzag or striped");
     add("node-size", &node_size_,
@@ -181,8 +182,7 @@ class DecodeWorkload final : public Workload {
     KvCache cache(P, r, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_,
                   dev);
     b.note(cat(name, ": prefilling ", context_, " tokens, ", e_.warmup, " warm-up + ", e_.iters,
-               " timed", b.check() ? " + 1 checked" : "", " decode steps of ", Sq,
-               " token(s) ..."));
+               " timed", b.check() ? " + 1 checked" : "", " steps of ", Sq, " new tokens ..."));
     cache.prefill(make_shard(kK, layout, r, B, G, D, dtype_, hk0),
                   make_shard(kV, layout, r, B, G, D, dtype_, hk0), layout);
 
@@ -224,8 +224,9 @@ class DecodeWorkload final : public Workload {
       DecodeCheck vs, same;
       vs.compare(got, ref_->out.data(), ref_->lse.data(), heads_, rt.tp_rank() * H, tol_out_,
                  tol_lse_);
+      vs = vs.reduced();
       row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked));
-      record(row, vs_ref_, vs.reduced(), "wrong_vs_float64", "err");
+      record(row, vs_ref_, vs, "wrong_vs_float64", "err");
       if (first_) {
         same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSame, kSame);
         record(row, vs_first_, same.reduced(), "wrong_vs_first_strategy", "diff");

@@ -3,7 +3,8 @@
 // q, k and v regenerated from the benchmark's deterministic inputs chunk by chunk (O(chunk)
 // memory). softmax_states keeps an online softmax state (max m, sum l, weighted sum acc) per
 // query row and head; merge_states combines the states of several ranks (each took some of the
-// chunks) into out and lse. decode_reference is the check of a decode step built on them.
+// chunks) into out and lse. decode_reference is the check of a decode step built on them, and
+// DecodeCheck compares a decode result with it (or with another result).
 #pragma once
 
 #include <mpi.h>
@@ -11,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "collective/mpi_communicator.h"
@@ -198,5 +201,40 @@ DecodeReference decode_reference(const DecodeShape& o, int64_t length, uint64_t 
                                 int(mine.size()), MPI_DOUBLE, MPI_COMM_WORLD));
   return merge_states(s, o.new_tokens, all, P);
 }
+
+// A decode result checked element by element, out and lse apart: got (out [B, S_q, Hl, D_v],
+// lse [B, Hl, S_q]) against arrays of that layout with Hr heads, of which got's are
+// h0 .. h0 + Hl - 1 (a tensor-parallel rank's slice of a DecodeReference, or another result).
+struct DecodeCheck {
+  CheckStats out, lse;
+  uint64_t wrong() const { return out.wrong + lse.wrong; }
+  // "N wrong; max |what| out X, lse Y", a footer line's value.
+  std::string line(const char* what) const {
+    return detail::cat(wrong(), " wrong; max |", what, "| out ", report::sci(out.max_err, 2),
+                       ", lse ", report::sci(lse.max_err, 2));
+  }
+  template <typename T>
+  void compare(const Partial& got, const T* ref_out, const T* ref_lse, int64_t Hr, int64_t h0,
+               const Tolerance& tol_out, const Tolerance& tol_lse) {
+    const int64_t B = got.lse.size(0), Hl = got.lse.size(1), Sq = got.lse.size(2);
+    const int64_t D = got.out.size(3);
+    const float *o = got.out.ptr<float>(), *l = got.lse.ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hl; ++h)
+        for (int64_t j = 0; j < Sq; ++j) {
+          lse.compare(l[(b * Hl + h) * Sq + j], ref_lse[(b * Hr + h0 + h) * Sq + j], tol_lse);
+          for (int64_t d = 0; d < D; ++d)
+            out.compare(o[((b * Sq + j) * Hl + h) * D + d],
+                        ref_out[((b * Sq + j) * Hr + h0 + h) * D + d], tol_out);
+        }
+  }
+  // Summed (errors: maxed) over every rank of MPI_COMM_WORLD. Collective.
+  DecodeCheck reduced() const { return {out.reduced(), lse.reduced()}; }
+  // other's counts added, the larger errors kept.
+  void add(const DecodeCheck& other) {
+    for (auto [a, b] : {std::pair{&out, &other.out}, std::pair{&lse, &other.lse}})
+      *a = {a->checked + b->checked, a->wrong + b->wrong, std::max(a->max_err, b->max_err)};
+  }
+};
 
 }  // namespace dattn::bench

@@ -573,8 +573,9 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
     top.add_raw("config", cfg.str())
         .add_raw("rows", report::json_array(jrows))
         .add("wrong", int64_t(wrong))
-        .add("avg_tflops_per_rank", tflops)
-        .add_all(sections);
+        .add("avg_tflops_per_rank", tflops);
+    if (byte_checked) top.add("byte_mismatches", int64_t(byte_mismatches));
+    top.add_all(sections);
     if (!jcompare.empty()) top.add_raw("compare", jcompare.str());
     report::write_text_file(e.json, top.str());
   }

@@ -268,7 +268,7 @@ class Workload {
   virtual std::vector<Row> run(Bench& b, const Case& c) = 0;
   // After the last case: the workload's footer lines (rank 0 prints; every rank calls it) and
   // top-level JSON sections (add them to top; "config", "rows", "wrong", "avg_tflops_per_rank",
-  // "compare" are the engine's).
+  // "byte_mismatches" (with a byte check), "compare" are the engine's).
   virtual void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
     (void)b, (void)rows, (void)top;
   }

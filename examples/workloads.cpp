@@ -9,7 +9,7 @@ const std::vector<WorkloadEntry>& workloads() {
        "distributed prefill: ring, ulysses or hybrid over any layout and mask",
        make_prefill_workload},
       {"decode", "dattn-decode-bench", "decoding over a sharded KV cache: tree, ring or allgather",
-       nullptr, decode_main},
+       make_decode_workload},
       {"star", "dattn-star-bench", "star attention: blockwise phase 1, then decoding", nullptr,
        star_main},
       {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", nullptr, mla_main},

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -14,7 +13,6 @@
 #include "examples/bench_reference.h"
 #include "examples/engine.h"
 #include "launch/program.h"
-#include "launch/progress.h"
 #include "src/attention.h"
 #include "src/decode.h"
 #include "src/models.h"
@@ -44,9 +42,9 @@ enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
 // tokens take most of every row's attention, as in trained models.
 struct Inputs {
   Inputs(DType dtype, double sink, int64_t dim) : dtype(dtype), sink(float(sink)) {
-    const float mag = float(std::pow(double(dim), -0.25));
     for (int64_t d = 0; d < dim; ++d)
-      dir.push_back((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? mag : -mag);
+      dir.push_back(float(std::pow(double(dim), -0.25)) *
+                    ((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? 1.f : -1.f));
   }
   // The `dim` stored values of one row.
   void row(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
@@ -64,12 +62,16 @@ struct Inputs {
   std::vector<float> dir;
 };
 
-// The max and the sum of f(0 .. n-1).
-std::pair<double, double> max_sum(int n, const std::function<double(int)>& f) {
-  double max = 0, sum = 0;
+// The max, the sum and the max / mean of f(0 .. n-1).
+struct Spread {
+  double max = 0, sum = 0, imbalance = 1;
+};
+Spread spread(int n, const std::function<double(int)>& f) {
+  Spread s;
   for (int r = 0; r < n; ++r)
-    max = std::max(max, f(r)), sum += f(r);
-  return {max, sum};
+    s.max = std::max(s.max, f(r)), s.sum += f(r);
+  if (s.sum > 0) s.imbalance = s.max / (s.sum / n);
+  return s;
 }
 
 // star's phase 1 against the exact result over every row of every rank, as an accuracy row;
@@ -104,12 +106,9 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
   row.extra.add("lse_mean_abs_err", lse).add("rank0_rel_err_out", err0);
   row.extra.add("rank0_lse_max_abs_err", lse0).add("rank0_exact", exact0);
   row.extra.add("byte_mismatches", int64_t(byte_mismatches)).add("wrong", int64_t(row.wrong()));
-  row.cells = {sink != 0 ? cat("sink ", fixed(sink, 1)) : "no sink",
-               std::to_string(anchor),
-               sci(err, 3),
-               sci(lse, 3),
-               sci(err0, 2),
-               wrong_cell(row)};
+  const std::string inputs = sink != 0 ? cat("sink ", fixed(sink, 1)) : "no sink";
+  row.cells = {inputs,      std::to_string(anchor), sci(err, 3),
+               sci(lse, 3), sci(err0, 2),           wrong_cell(row)};
   return row;
 }
 
@@ -126,21 +125,19 @@ struct Check {  // decode results against others, out and lse apart
     return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
   }
   // got (out [B, S_q, Hl, D], lse [B, Hl, S_q]) against arrays of that layout with Hr heads, of
-  // which got's are h0 .. h0 + Hl - 1.
+  // which got's are h0 .. h0 + Hl - 1: element i of got, with `inner` elements after its head
+  // index, is element at(i, inner) of the arrays.
   template <typename T>
   void compare(const Partial& got, const T* ref_out, const T* ref_lse, int64_t Hr, int64_t h0,
                const Tolerance& tol) {
-    const int64_t B = got.lse.size(0), Hl = got.lse.size(1), Sq = got.lse.size(2);
-    const int64_t D = got.out.size(3);
-    const float *o = got.out.ptr<float>(), *l = got.lse.ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < Hl; ++h)
-        for (int64_t j = 0; j < Sq; ++j) {
-          lse.compare(l[(b * Hl + h) * Sq + j], ref_lse[(b * Hr + h0 + h) * Sq + j], tol);
-          for (int64_t d = 0; d < D; ++d)
-            out.compare(o[((b * Sq + j) * Hl + h) * D + d],
-                        ref_out[((b * Sq + j) * Hr + h0 + h) * D + d], tol);
-        }
+    const int64_t Hl = got.lse.size(1);
+    const auto at = [&](int64_t i, int64_t inner) {
+      return (i / inner / Hl * Hr + h0 + i / inner % Hl) * inner + i % inner;
+    };
+    for (int64_t i = 0; i < got.out.numel(); ++i)
+      out.compare(got.out.ptr<float>()[i], ref_out[at(i, got.out.size(3))], tol);
+    for (int64_t i = 0; i < got.lse.numel(); ++i)
+      lse.compare(got.lse.ptr<float>()[i], ref_lse[at(i, got.lse.size(2))], tol);
   }
 };
 
@@ -188,21 +185,21 @@ class StarWorkload final : public Workload {
     e_ = e;
     const int tp = e.launch.tp;
     require_option(seq_ >= 1, "--seq", seq_, ">= 1");
+    require_option(batch_ >= 1, "--batch", batch_, ">= 1");
+    require_option(heads_ >= 1, "--heads", heads_, ">= 1");
+    require_option(dim_ >= 1, "--head-dim", dim_, ">= 1");
+    require_option(new_tokens_ >= 1, "--new-tokens", new_tokens_, ">= 1");
+    require_option(steps_ >= 1, "--steps", steps_, ">= 1");
     if (!vm.count("block")) block_ = std::max<int64_t>(1, seq_ / 16);
     require_option(block_ >= 1 && block_ <= seq_, "--block", block_,
                    cat(">= 1 and <= --seq (", seq_, ")"));
     if (!vm.count("anchor")) anchor_ = block_;
     require_option(anchor_ >= 0 && anchor_ <= block_, "--anchor", anchor_,
                    cat(">= 0 and <= --block (", block_, ")"));
-    require_option(batch_ >= 1, "--batch", batch_, ">= 1");
-    require_option(heads_ >= 1, "--heads", heads_, ">= 1");
     require_option(kv_heads_ >= 1 && heads_ % kv_heads_ == 0, "--kv-heads", kv_heads_,
                    cat(">= 1 and dividing --heads (", heads_, ")"));
     require_option(kv_heads_ % tp == 0, "--kv-heads", kv_heads_,
                    cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
-    require_option(dim_ >= 1, "--head-dim", dim_, ">= 1");
-    require_option(new_tokens_ >= 1, "--new-tokens", new_tokens_, ">= 1");
-    require_option(steps_ >= 1, "--steps", steps_, ">= 1");
     require_option(std::isfinite(sink_) && sink_ >= 0, "--sink", sink_, ">= 0");
     try {
       dtype_ = parse_dtype(dtype_name_);
@@ -243,27 +240,15 @@ class StarWorkload final : public Workload {
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
-    return {{{"strategy", "", 9},
-             {"layout", "", 24},
-             {"time", "(ms)", 11},
-             {"sent", "(MB/rank)", 10},
-             {"model", "(MB)", 10},
-             {"flops max", "(GFLOP/rank)", 13},
-             {"imbal", "", 6},
+    // clang-format off
+    return {{{"strategy", "", 9}, {"layout", "", 24}, {"time", "(ms)", 11}, {"sent", "(MB/rank)", 10},
+             {"model", "(MB)", 10}, {"flops max", "(GFLOP/rank)", 13}, {"imbal", "", 6},
              {"#wrong", "", 7}},
-            {{"inputs", "", 10},
-             {"anchor", "(tokens)", 9},
-             {"rel_err(out)", "(all rows)", 13},
-             {"rel_err(lse)", "(mean abs)", 13},
-             {"block 0", "(rel_err out)", 14},
-             {"#wrong", "", 7}},
-            {{"strategy", "", 9},
-             {"context", "(tokens)", 9},
-             {"mean", "(ms)", 10},
-             {"p50", "(ms)", 10},
-             {"sent", "(KB/rank/step)", 14},
-             {"model", "(KB)", 10},
-             {"#wrong", "", 7}}};
+            {{"inputs", "", 10}, {"anchor", "(tokens)", 9}, {"rel_err(out)", "(all rows)", 13},
+             {"rel_err(lse)", "(mean abs)", 13}, {"block 0", "(rel_err out)", 14}, {"#wrong", "", 7}},
+            {{"strategy", "", 9}, {"context", "(tokens)", 9}, {"mean", "(ms)", 10}, {"p50", "(ms)", 10},
+             {"sent", "(KB/rank/step)", 14}, {"model", "(KB)", 10}, {"#wrong", "", 7}}};
+    // clang-format on
   }
 
   // Phase 1 of star and of ring (table 0), the accuracy (1), phase 2 (2); a --compare rerun
@@ -308,13 +293,8 @@ class StarWorkload final : public Workload {
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
                 double time_ms, double flops, uint64_t wrong, const Timing& t) const {
     Row row;
-    row.result = {"star",
-                  strategy,
-                  layout,
-                  seq_,
-                  rt.size(),
-                  time_ms,
-                  flops / rt.cp_size() / (time_ms * 1e-3) / 1e12};
+    row.result = {"star", strategy, layout, seq_, rt.size(), time_ms};
+    row.result.tflops_per_rank = flops / rt.cp_size() / (time_ms * 1e-3) / 1e12;
     row.result.wrong = int64_t(wrong);
     row.take_bytes(t);
     row.extra.add("phase", phase);
@@ -333,8 +313,8 @@ class StarWorkload final : public Workload {
   EngineOptions e_;
   AttnSpec spec_;  // causal, one tp rank's heads
   int64_t acc_seq_ = 0, acc_block_ = 0, acc_anchor_ = 0;
-  // For finish: phase 1's FLOP model max (star, ring), phase 2's p50 (star, tree) and checks.
-  double gflop_max_[2] = {0, 0}, p50_ms_[2] = {0, 0};
+  // For finish: phase 1's FLOP model max (star, ring) and phase 2's checks.
+  double gflop_max_[2] = {0, 0};
   Check vs_tree_, vs_ref_[2];  // star vs tree; star and tree vs float64
 };
 
@@ -344,8 +324,6 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
   const Layout l = star ? Layout::blocks(seq_, P, block_) : Layout::zigzag(seq_, P);
   const Inputs in(dtype_, sink_, dim_);
   const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
-  b.note(cat("phase 1: ", star ? "star_prefill" : "ring attention (zigzag)", ", ", e_.warmup,
-             " warm-up + ", e_.iters, " timed ..."));
   TimedCall call;
   call.call = [&] {
     (void)(star ? star_prefill(rt, q, k, v, spec_, l, anchor_)
@@ -356,16 +334,17 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
                              : attention_send_bytes(Strategy::ring, l, spec_, batch_, dtype_, 1, r);
   call.model_bytes = [model] { return model; };
   const Timing t = b.time(star ? "star phase 1 star_prefill" : "star phase 1 ring attention", call);
-  const auto [max, sum] = max_sum(P, [&](int rank) {
+  const auto flops = [&](int rank) {
     return star ? star_prefill_flops(l, spec_, batch_, anchor_, rank)
                 : attention_rank_flops(Strategy::ring, l, spec_, batch_, 1, rank);
-  });
-  const double imbalance = sum > 0 ? max / (sum / P) : 1.0;
+  };
+  const auto [max, sum, imbalance] = spread(P, flops);
   gflop_max_[star ? 0 : 1] = max / 1e9;
   // TFLOP/s per rank of star's own (approximate) problem, its exact visible pairs; ring's as the
   // prefill workload reports it, the causal attention model over all S tokens.
-  Row row = timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms,
-                      star ? sum : attention_flops(batch_, seq_, seq_, spec_), 0, t);
+  const double total = star ? sum : attention_flops(batch_, seq_, seq_, spec_);
+  Row row =
+      timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms, total, 0, t);
   row.extra.add("model_gflop_max", max / 1e9).add("imbalance", imbalance);
   row.extra.add("byte_mismatches", int64_t(t.byte_mismatches));
   row.cells = {
@@ -383,31 +362,22 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
   const int r = rt.cp_rank();
   const Layout l = Layout::blocks(acc_seq_, rt.cp_size(), acc_block_);
   const int64_t block0 = l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? acc_block_ : 0;
-  std::vector<double> sinks = {sink_};
-  if (sink_ != 0) sinks.push_back(0.0);
-  std::vector<int64_t> anchors = {acc_anchor_};
-  if (acc_anchor_ != 0) anchors.push_back(0);
   b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_,
              scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
-             ": star vs exact (ring)"));
-  Progress progress(b.root(), "star accuracy", int64_t(sinks.size() * (1 + anchors.size())),
-                    "calls");
+             ": star vs exact (ring over ", l.str(), ") ..."));
   std::vector<Row> rows;
-  for (double sink : sinks) {
+  for (double sink : sink_ != 0 ? std::vector<double>{sink_, 0.0} : std::vector<double>{0.0}) {
     const Inputs in(dtype_, sink, dim_);
     const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
-    b.note(cat("accuracy: ", sink != 0 ? cat("sink ", sink) : "no sink",
-               ", exact attention (ring over ", l.str(), ") ..."));
     const Partial exact = attention(rt, q, k, v, spec_, l, Strategy::ring);
-    progress.step();
-    for (int64_t a : anchors) {
+    for (int64_t a :
+         acc_anchor_ != 0 ? std::vector<int64_t>{acc_anchor_, 0} : std::vector<int64_t>{0}) {
       rt.reset_counters();
       const Partial star = star_prefill(rt, q, k, v, spec_, l, a);
       const bool off =
           rt.counters().data_bytes() != star_prefill_send_bytes(l, spec_, batch_, dtype_, a, r);
       rows.push_back(accuracy_row(star, exact, std::min(block0, l.local_len(r)), sink, a,
                                   allreduce_sum(off ? 1 : 0)));
-      progress.step();
     }
   }
   return rows;
@@ -421,19 +391,16 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = Layout::blocks(seq_, P, block_);
   const Inputs in(dtype_, sink_, dim_);
-  b.note(cat("phase 2: ", steps_, " decode steps of ", new_tokens_, " token(s) over two caches (",
-             l.str(), ", last_rank placement), star_decode then tree decode ..."));
   std::vector<KvCache> caches;
   const Tensor k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
   for (int i = 0; i < 2; ++i)
-    caches
-        .emplace_back(P, r, spec_, batch_, dtype_, l.max_local_len() + steps_ * new_tokens_,
-                      Placement::last_rank)
-        .prefill(k, v, l);
+    caches.emplace_back(P, r, spec_, batch_, dtype_, l.max_local_len() + steps_ * new_tokens_,
+                        Placement::last_rank);
   std::vector<Partial> res[2];
   Timing t[2];
   for (int i = 0; i < 2; ++i) {
     KvCache& cache = caches[size_t(i)];
+    cache.prefill(k, v, l);
     Tensor q;
     TimedCall call;
     call.warmup = 0, call.iters = steps_, call.unit = "steps";
@@ -478,7 +445,6 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     Row& row = rows.emplace_back(
         timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
                   attention_flops(batch_, new_tokens_, seq_, unmasked), wrong, t[i]));
-    p50_ms_[i] = t[i].p50_ms;
     row.extra.add("p50_ms", t[i].p50_ms).add("byte_mismatches", int64_t(row.byte_mismatches));
     row.extra.add("wrong_check", int64_t(wrong));
     row.cells = {
@@ -496,47 +462,24 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
   const double latency = star2.time_ms / tree.time_ms;
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
-  if (b.root()) {
-    std::printf(
-        "# Check: time = the slowest rank's mean over the timed calls (phase 2: per step), each\n"
-        "#   after a barrier; sent = the bytes counted per rank per call (every op but\n"
-        "#   \"control\"), max over ranks, each call against its model (star_prefill_send_bytes,\n"
-        "#   attention_send_bytes, star_decode_send_bytes, decode_send_bytes), else #wrong;\n"
-        "#   flops max = the FLOP model's max over ranks (star: exact visible pairs; ring: "
-        "visible\n"
-        "#   kernel tiles), imbal = its max / mean.\n"
-        "# Check: accuracy = star's phase 1 against exact causal attention (ring over the same\n"
-        "#   blocks), all rows of all ranks; sink s adds s * u (|u|^2 = sqrt(D)) to the first "
-        "%lld\n"
-        "#   keys and every query; block 0's rows must be exact (rel_err <= %g, |lse diff| <= %g)\n"
-        "#   and star_prefill's bytes match, else #wrong.\n",
-        static_cast<long long>(kSinkTokens), kRank0RelTol, kRank0LseTol);
-    if (b.check()) {
-      std::printf(
-          "# Check: -k 1: every step's result on the query rank (the last): star against tree\n"
-          "#   within %g + %g*|tree|, both against float64 within %g + %g*|ref|; in #wrong.\n",
-          kSame.abs, kSame.rel, kTol.abs, kTol.rel);
-      report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
-      report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
-      report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
-    }
-    std::printf(
-        "# phase 1: star %s ms, ring (zigzag) %s ms, measured %s faster, model %s (target >= 4x "
-        "at 4 ranks, S=32768, b=S/16, a=b)%s\n",
-        fixed(star.time_ms, 2).c_str(), fixed(ring.time_ms, 2).c_str(), fixed(measured, 2).c_str(),
-        fixed(model, 2).c_str(),
-        target ? (measured >= 4 ? ": met" : ": NOT met")
-               : " (this run is not the target configuration)");
-    std::printf("# phase 1 bytes: star %s MB/rank (max), ring %s MB/rank (max)\n",
-                fixed(star.sent_mb_per_rank, 3).c_str(), fixed(ring.sent_mb_per_rank, 3).c_str());
-    std::printf(
-        "# phase 2: star_decode %s ms/step (p50 %s), tree %s ms/step (p50 %s): star/tree %s; "
-        "bytes/step star %s KB, tree %s KB\n",
-        fixed(star2.time_ms, 3).c_str(), fixed(p50_ms_[0], 3).c_str(),
-        fixed(tree.time_ms, 3).c_str(), fixed(p50_ms_[1], 3).c_str(), fixed(latency, 2).c_str(),
-        fixed(star2.sent_mb_per_rank * 1e3, 3).c_str(),
-        fixed(tree.sent_mb_per_rank * 1e3, 3).c_str());
+  b.note("Check: every call's bytes must equal its model and block 0's rows of star's phase 1");
+  b.note(cat("  must equal exact attention (rel_err <= ", kRank0RelTol,
+             ", |lse diff| <= ", kRank0LseTol, "), else #wrong."));
+  if (b.check() && b.root()) {
+    b.note(cat("Check: every decode step on the query rank: star against tree within ", kSame.abs,
+               " + ", kSame.rel, "*|tree|,"));
+    b.note(
+        cat("  both against float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|, else #wrong."));
+    report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
+    report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
+    report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
   }
+  b.note(cat("phase 1: star ", fixed(star.time_ms, 2), " ms, ring (zigzag) ",
+             fixed(ring.time_ms, 2), " ms, measured ", fixed(measured, 2), " faster, model ",
+             fixed(model, 2), " (target >= 4x at 4 ranks, S=32768, b=S/16, a=b)",
+             target ? (measured >= 4 ? ": met" : ": NOT met") : " (not the target configuration)"));
+  b.note(cat("phase 2: star_decode ", fixed(star2.time_ms, 3), " ms/step, tree ",
+             fixed(tree.time_ms, 3), " ms/step: star/tree ", fixed(latency, 2)));
   std::vector<std::string> acc;
   for (const Row& r : rows)
     if (!r.in_json) acc.push_back(r.extra.str());
@@ -562,13 +505,14 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
 void StarWorkload::plan(Plan& p) const {
   const LaunchOptions& o = p.opts().launch;
   const int W = o.world, P = o.cp, T = o.tp;
+  const int64_t Hl = spec_.heads_q, Gl = spec_.heads_kv;
   const Layout l = Layout::blocks(seq_, P, block_);
   const KvCache cache(P, 0, spec_, batch_, dtype_, 0, Placement::last_rank);
   const auto flops = [&](int c) { return star_prefill_flops(l, spec_, batch_, anchor_, c); };
-  const auto bytes = [&](int c) {
-    return double(star_prefill_send_bytes(l, spec_, batch_, dtype_, anchor_, c));
+  const auto mb = [&](int c) {
+    return double(star_prefill_send_bytes(l, spec_, batch_, dtype_, anchor_, c)) / 1e6;
   };
-  const auto [max, sum] = max_sum(P, flops);
+  const auto [max, sum, imbalance] = spread(P, flops);
   p.line(cat("world ", W, " ranks = cp ", P, " x tp ", T, " (tp is the fastest rank index); seq ",
              seq_, " block ", block_, " anchor ", anchor_, "; mask causal dtype ",
              dtype_name(dtype_), "; batch ", batch_, " heads ", heads_, " kv-heads ", kv_heads_,
@@ -580,37 +524,29 @@ void StarWorkload::plan(Plan& p) const {
   p.line(cat("device: ", device_plan(o)));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
              " TFLOP in all (model: exact visible pairs), per rank max ", fixed(max / 1e9, 3),
-             " GFLOP, imbalance ", fixed(sum > 0 ? max / (sum / P) : 1.0, 3),
-             "; the anchor's K/V sent once, ", fixed(max_sum(P, bytes).first / 1e6, 3),
-             " MB per tp slice"));
+             " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, ",
+             fixed(spread(P, mb).max, 3), " MB per tp slice"));
   p.line(cat("phase 2: ", steps_, " steps of ", new_tokens_,
              " token(s), both caches last_rank placement (the decoded tokens go to cp rank ", P - 1,
              "); tree bytes for the flat tree (the plan assumes one node)"));
   p.line("per rank (anchor: holds = it holds the context's first tokens and sends them):");
-  p.table({{"rank", "", 6},
-           {"cp", "", 5},
-           {"tp", "", 4},
-           {"tokens", "(local)", 9},
-           {"blocks", "", 7},
-           {"anchor", "", 7},
-           {"q_heads", "", 9},
-           {"kv_heads", "", 9},
-           {"phase 1", "(GFLOP)", 11},
-           {"phase 1", "(send MB)", 10},
-           {"star", "(KB/step)", 10},
-           {"tree", "(KB/step)", 10},
+  // clang-format off
+  p.table({{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}, {"tokens", "(local)", 9}, {"blocks", "", 7},
+           {"anchor", "", 7}, {"q_heads", "", 9}, {"kv_heads", "", 9}, {"phase 1", "(GFLOP)", 11},
+           {"phase 1", "(send MB)", 10}, {"star", "(KB/step)", 10}, {"tree", "(KB/step)", 10},
            {"global positions", "(runs)", 0}});
+  // clang-format on
   p.for_shown(W, [&](int w) {
     const int c = w / T, t = w % T;
-    const int64_t Hl = spec_.heads_q, Gl = spec_.heads_kv, len = l.local_len(c);
+    const int64_t len = l.local_len(c);
     std::vector<std::string> runs;
     for (const Run& run : l.runs(c))
       if (run.length > 0) runs.push_back(report::run_desc(run));
-    const bool holds = anchor_ > 0 && len > 0 && l.global_position(c, 0) == 0;
     p.row({std::to_string(w), std::to_string(c), std::to_string(t), std::to_string(len),
-           std::to_string((len + block_ - 1) / block_), holds ? "holds" : "-",
+           std::to_string((len + block_ - 1) / block_),
+           anchor_ > 0 && len > 0 && l.global_position(c, 0) == 0 ? "holds" : "-",
            report::index_range(t * Hl, Hl), report::index_range(t * Gl, Gl),
-           fixed(flops(c) / 1e9, 3), fixed(bytes(c) / 1e6, 3),
+           fixed(flops(c) / 1e9, 3), fixed(mb(c), 3),
            fixed(double(star_decode_send_bytes(cache, new_tokens_, c)) / 1e3, 3),
            fixed(double(decode_send_bytes(Strategy::tree, cache, new_tokens_, 0, c)) / 1e3, 3),
            runs.empty() ? "-" : report::join(runs, " ")});

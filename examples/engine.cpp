@@ -224,6 +224,7 @@ namespace {
 struct Parsed {
   std::unique_ptr<Workload> w;
   EngineOptions e;
+  po::variables_map vm;
   Defaults d;
   bool answered = false;  // --help or --version was printed
 };
@@ -303,7 +304,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
   std::vector<char*> ptrs;
   for (const std::string& a : args)
     ptrs.push_back(const_cast<char*>(a.c_str()));
-  po::variables_map vm;
+  po::variables_map& vm = p.vm;
   parse_command_line(int(ptrs.size()), ptrs.data(), desc, vm, first);
   if (help || version) {
     if (world_rank() == 0) {
@@ -408,6 +409,12 @@ void dry_run(Workload& w, const EngineOptions& e) {
 }  // namespace
 
 // ------------------------------------------------------------------ the run
+
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& entry, int argc, char** argv) {
+  Parsed p = parse(entry, argc, argv, {});
+  if (p.answered) return std::nullopt;
+  return ParsedWorkload{std::move(p.w), std::move(p.e), std::move(p.vm)};
+}
 
 int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   if (!entry.make) return entry.main(argc, argv);

@@ -276,6 +276,16 @@ struct WorkloadEntry {
 // inside run_program (MPI up). An entry with main instead of make runs main.
 int run_workload(const WorkloadEntry& w, int argc, char** argv);
 
+// A workload parsed and resolved from a command line as run_workload does it, nothing run (the
+// fuzzers use it): the workload, the shared options and the options as given; nullopt when
+// --help or --version was answered. Throws UsageError. Called with MPI up.
+struct ParsedWorkload {
+  std::unique_ptr<Workload> workload;
+  EngineOptions options;
+  po::variables_map vm;
+};
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& w, int argc, char** argv);
+
 // The workload files each define their factory (examples/workloads.cpp lists them):
 //   std::unique_ptr<Workload> make_prefill_workload();  (prefill_bench.cpp), and so on.
 

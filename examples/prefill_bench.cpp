@@ -202,6 +202,7 @@ class Prefill final : public Workload {
       seqs_.push_back(s);
       if (seq_factor_ < 2 || s > std::numeric_limits<int64_t>::max() / seq_factor_) break;
     }
+    DATTN_ASSERT(!seqs_.empty() && seqs_.front() == seq_begin_ && seqs_.back() <= seq_end_);
   }
 
   RuntimeOptions runtime_options(const EngineOptions& e) const override {
@@ -458,6 +459,7 @@ class Prefill final : public Workload {
                    ? Layout::striped(S, P, stripe_block ? stripe_block : stripe_block_)
                : layout == "varlen" ? Layout::varlen(cu, P)
                                     : Layout::make(layout, S, P);
+    DATTN_ASSERT(p.layout.global_seq() == S && p.layout.ranks() == P);
     return p;
   }
 

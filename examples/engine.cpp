@@ -130,7 +130,7 @@ Timing Bench::time(const std::string& what, const TimedCall& c) {
                                 MPI_COMM_WORLD));
   double total = 0;
   for (double t : times)
-    total += t;
+    total += t, r.step_ms.push_back(t * 1e3);
   std::sort(times.begin(), times.end());
   r.step_mean_ms = total / iters * 1e3;
   r.p50_ms = percentile(times, 50) * 1e3;

@@ -109,6 +109,7 @@ struct Timing {
   double step_mean_ms = 0;        // mean over the timed calls of the slowest rank's time
   double p50_ms = 0, p99_ms = 0;  // nearest-rank percentiles of the slowest rank's times
   double best_ms = 0;             // fastest timed call of the slowest rank
+  std::vector<double> step_ms;    // the slowest rank's time of each timed call, in order
   double sent_mb = 0;             // bytes counted per timed call, max over ranks (1 MB = 1e6 B)
   double model_mb = 0;            // model_bytes per timed call, max over ranks
   uint64_t byte_mismatches = 0;   // (rank, call) pairs, warm-up included, counted != model

@@ -15,7 +15,7 @@ int prefill_main(int argc, char** argv);
 int kernel_main(int argc, char** argv);
 int decode_main(int argc, char** argv);
 int star_main(int argc, char** argv);
-int mla_main(int argc, char** argv);
+std::unique_ptr<Workload> make_mla_workload();
 
 const std::vector<WorkloadEntry>& workloads();
 const WorkloadEntry* find_workload(const std::string& name);  // nullptr when unknown

@@ -76,11 +76,12 @@ std::vector<int64_t> outlier_channels(int64_t d_c, int64_t n) {
 // The input kinds: every latent channel of the same energy; a few outlier channels with
 // isotropic queries (the outliers barely steer the logits); the same latents with W_UK's outlier
 // columns kAlignFactor x larger, so that they dominate the logits (what the transforms are for).
-constexpr int kKinds = 3;
-const char* const kKindNames[kKinds] = {"uniform energy", "outlier channels",
-                                        "outlier channels, aligned queries"};
-const char* const kKindKeys[kKinds] = {"uniform_energy", "outlier_channels",
-                                       "outlier_channels_aligned_queries"};
+struct Kind {
+  const char *name, *key;  // key: the JSON row's
+};
+const Kind kKinds[] = {{"uniform energy", "uniform_energy"},
+                       {"outlier channels", "outlier_channels"},
+                       {"outlier channels, aligned queries", "outlier_channels_aligned_queries"}};
 
 // The heads [h0, h0 + n) of [H, a, d_c] weights (views: w outlives them).
 MlaWeights heads_of(const MlaWeights& w, int64_t h0, int64_t n) {
@@ -140,9 +141,9 @@ struct Result {
   uint64_t cache_held = 0;       // the shard's bytes, max over ranks
   Timing t;                      // the uniform-energy kind's steps
   uint64_t byte_mismatches = 0;  // every kind's steps
-  Accuracy acc[kKinds];
+  Accuracy acc[std::size(kKinds)];
   uint64_t exact_wrong = 0;  // kinds where a row that must equal exact MLA does not
-  uint64_t f64_wrong() const { return acc[0].f64.wrong + acc[1].f64.wrong + acc[2].f64.wrong; }
+  uint64_t f64_wrong = 0;    // elements off the float64 rule
 };
 
 class Mla final : public Workload {
@@ -154,7 +155,7 @@ class Mla final : public Workload {
   Defaults defaults() const override {
     Defaults d;
     d.iters_option = "steps,n", d.iters_help = "timed decode steps per method";
-    d.runs_on_cuda = true;
+    d.runs_on_cuda = true;  // head split and TPLA run on GPU tensors too
     return d;
   }
 
@@ -177,7 +178,7 @@ class Mla final : public Workload {
   void resolve(const po::variables_map& vm, const EngineOptions& e) override {
     e_ = e, G_ = e.launch.world;
     // The ranks split the heads (head_split) or the latent (TPLA): tp is every rank, cp 1.
-    const std::string all = cat(" (MLA decode splits heads or the latent over all ranks)");
+    const std::string all = " (MLA decode splits heads or the latent over all ranks)";
     const int cp = vm.count("cp") ? vm["cp"].as<int>() : 0;
     const int tp = vm.count("tp") ? vm["tp"].as<int>() : 0;
     require_option(cp == 0 || cp == 1, "--cp", cp, "1" + all);
@@ -209,16 +210,10 @@ class Mla final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    return {cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads(), " context ",
-                S_, " batch ", B_, " new-tokens ", Sq_, " (queries at positions ", S_ - Sq_,
-                " .., causal) steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check),
-            cat("MLA heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope, " qk-nope ",
-                cfg_.qk_nope, " v-head ", cfg_.v_head, " softmax scale ", cfg_.scale(),
-                " fp32; weights MlaWeights::random(seed ", kWeightSeed, ")"),
-            cat("inputs ~ N(0, 1); the outlier kinds' c_kv with ", outliers_, " channels at ",
-                kOutlierFactor, "x std (", report::join(channel_names_, ","),
-                "), aligned queries with W_UK x", kAlignFactor, " on them; PCA on ", calibration_,
-                " other tokens; err: against exact MLA; check: ", kCheckHeads, " heads per rank")};
+    std::vector<std::string> lines = shape_lines();
+    lines.insert(lines.begin(),
+                 cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads()));
+    return lines;
   }
 
   void config_json(report::JsonObject& c) const override {
@@ -248,6 +243,19 @@ class Mla final : public Workload {
   void plan(Plan& p) const override;
 
  private:
+  // The run's shape and inputs: the header's lines and the plan's.
+  std::vector<std::string> shape_lines() const {
+    return {
+        cat("context ", S_, " batch ", B_, " new-tokens ", Sq_, " (queries at positions ", S_ - Sq_,
+            " .., causal) steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check),
+        cat("MLA heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope, " qk-nope ",
+            cfg_.qk_nope, " v-head ", cfg_.v_head, " softmax scale ", cfg_.scale(),
+            " fp32; weights MlaWeights::random(seed ", kWeightSeed, ")"),
+        cat("inputs ~ N(0, 1); the outlier kinds' c_kv with ", outliers_, " channels at ",
+            kOutlierFactor, "x std (", report::join(channel_names_, ","),
+            "), aligned queries with W_UK x", kAlignFactor, " on them; PCA on ", calibration_,
+            " other tokens; err: against exact MLA; check: ", kCheckHeads, " heads per rank")};
+  }
   uint64_t cache_bytes(const Method& m) const {  // the model's, per rank
     return mla_cache_bytes_per_token(cfg_, m.parallel, m.opt, G_) * uint64_t(S_ * B_);
   }
@@ -265,6 +273,8 @@ class Mla final : public Workload {
   std::vector<int64_t> channels_;  // the outlier channels
   std::vector<std::string> channel_names_;
   Result results_[std::size(kMethods)];
+  uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0, byte_mismatches_ = 0;  // totals
+  double f64_max_ = 0;
 };
 
 std::vector<Row> Mla::run(Bench& b, const Case&) {
@@ -286,7 +296,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   const MlaWeights w_random = MlaWeights::random(cfg_, kWeightSeed);
   const MlaTransform hadamard = make_latent_transform(LatentTransform::hadamard, dc);
 
-  for (int k = 0; k < kKinds; ++k) {
+  for (int k = 0; k < int(std::size(kKinds)); ++k) {
     std::vector<float> stds(static_cast<size_t>(dc), 1.f);
     MlaWeights w = w_random;
     if (k == 2) w.w_uk = w_random.w_uk.to(DType::f32);  // a copy: its outlier columns scaled
@@ -295,7 +305,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
       for (int64_t row = 0; k == 2 && row < H * dn; ++row)
         w.w_uk.ptr<float>()[row * dc + c] *= kAlignFactor;
     }
-    b.note(cat(kKindNames[k], ": the cache (", S_, " tokens, batch ", B_, "), exact MLA, the ",
+    b.note(cat(kKinds[k].name, ": the cache (", S_, " tokens, batch ", B_, "), exact MLA, the ",
                "transforms (PCA on ", calibration_, " latents), then each method ..."));
     const Tensor c_kv = fill({B_, S_, dc}, kCkv, 1, dc, 0, 0, &stds);
     const Tensor k_pe = fill({B_, S_, dr}, kKPe, 1, dr);
@@ -333,7 +343,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
       call.model_bytes = [&] { return send_bytes(m); };
       call.unit = "steps";
       if (k > 0) call.warmup = 0, call.iters = 1;  // the other kinds: one step, bytes checked
-      const Timing tm = b.time(cat("mla ", kKindNames[k], ": ", m.label), call);
+      const Timing tm = b.time(cat("mla ", kKinds[k].name, ": ", m.label), call);
       if (k == 0) res.t = tm;
       res.byte_mismatches += tm.byte_mismatches;
       if (!out.device().is_cpu()) out = out.to_device(Device::cpu());
@@ -351,7 +361,8 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
         }
       DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
       a.rel_l2 = std::sqrt(s[1] > 0 ? s[0] / s[1] : s[0]), a.max_abs = allreduce_max(a.max_abs);
-      a.f64 = a.f64.reduced();
+      a.f64 = a.f64.reduced(), res.f64_wrong += a.f64.wrong;
+      f64_max_ = std::max(f64_max_, a.f64.max_err);
       if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) res.exact_wrong += 1;
     }
   }
@@ -366,7 +377,9 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     c.workload = "mla", c.strategy = m.label, c.seq = S_, c.ranks = G_;
     std::replace(c.strategy.begin(), c.strategy.end(), ' ', '-');  // "tpla-none-split-rope"
     c.time_ms = res.t.step_mean_ms;
-    c.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong());
+    c.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong);
+    exact_wrong_ += res.exact_wrong, cache_wrong_ += res.cache_held != cache;
+    f64_wrong_ += res.f64_wrong, byte_mismatches_ += res.byte_mismatches;
     row.take_bytes(res.t);
     row.byte_mismatches = res.byte_mismatches;
     const double sent_kb = res.t.sent_mb * 1e3, model_kb = res.t.model_mb * 1e3;
@@ -382,51 +395,34 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     report::JsonObject& x = row.extra;
     x.add("method", m.label).add("parallel", mla_parallel_name(m.parallel));
     x.add("transform", latent_transform_name(m.transform)).add("rope", m.rope());
-    x.add("scale_logits_by_g", m.opt.scale_logits_by_g);
-    x.add("cache_bytes_per_rank_model", int64_t(cache));
+    x.add("scale_logits_by_g", m.opt.scale_logits_by_g)
+        .add("cache_bytes_per_rank_model", int64_t(cache));
     x.add("cache_bytes_per_rank_held", int64_t(res.cache_held));
     x.add("cache_ratio_vs_head_split", cache_ratio(m));
     x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
     x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
     x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_array(steps));
-    for (int k = 0; k < kKinds; ++k)
-      x.add_raw(kKindKeys[k], res.acc[k].json());
+    for (int k = 0; k < int(std::size(kKinds)); ++k)
+      x.add_raw(kKinds[k].key, res.acc[k].json());
     x.add("exact_wrong", int64_t(res.exact_wrong));
   }
   return rows;
 }
 
 void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
-  uint64_t exact_wrong = 0, cache_wrong = 0, f64_wrong = 0, byte_mismatches = 0;
-  double f64_max = 0;
-  for (size_t i = 0; i < std::size(kMethods); ++i) {
-    const Result& r = results_[i];
-    exact_wrong += r.exact_wrong, cache_wrong += r.cache_held != cache_bytes(kMethods[i]);
-    f64_wrong += r.f64_wrong(), byte_mismatches += r.byte_mismatches;
-    for (const Accuracy& a : r.acc)
-      f64_max = std::max(f64_max, a.f64.max_err);
-  }
   if (b.root()) {
     report::print_footer_line(stdout, "Cache model mismatches",
-                              cat(cache_wrong, " (methods whose shard holds other than ",
+                              cat(cache_wrong_, " (shards that hold other than ",
                                   "mla_cache_bytes_per_token * context * batch)"));
     report::print_footer_line(
         stdout, "Not exact",
-        cat(exact_wrong, " (head_split", G_ == 1 ? " and every tpla row" : "",
+        cat(exact_wrong_, " (head_split", G_ == 1 ? " and every tpla row" : "",
             ", per input kind, over ", sci(kExactRelTol, 0), " relative L2 from exact MLA)"));
     if (e_.check)
-      report::print_footer_line(stdout, "vs float64",
-                                cat(f64_wrong, " wrong (", kCheckHeads, " heads per rank within ",
-                                    kTol.abs, " + ", kTol.rel, "*|ref| of tpla_reference at G ",
-                                    "slices, 1 for head_split); max |err| ", sci(f64_max, 2)));
-    std::printf(
-        "# Check: each rank's shard (c_kv + k_pe, max over ranks) must hold the cache model;\n"
-        "#   latency = the slowest rank's mla_decode step after a barrier (%d timed after %d\n"
-        "#   warm-up, uniform-energy latents; p50 nearest-rank); sent = bytes counted per rank\n"
-        "#   per step (1 KB = 1e3 B), every step of every kind equal to mla_decode_send_bytes;\n"
-        "#   err = ||out - exact|| / ||exact||, max |out - exact| over all of out, exact =\n"
-        "#   mla_decode_local on the untransformed cache.\n",
-        e_.iters, e_.warmup);
+      report::print_footer_line(
+          stdout, "vs float64",
+          cat(f64_wrong_, " wrong (", kCheckHeads, " heads per rank, within ", kTol.abs, " + ",
+              kTol.rel, "*|ref| of its rule); max |err| ", sci(f64_max_, 2)));
   }
   const auto err = [&](size_t m, int k) { return results_[m].acc[k].rel_l2; };
   const double dc = double(cfg_.latent), dr = double(cfg_.rope);
@@ -466,24 +462,20 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
              hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
   top.add_raw("cache_target", jcache.str()).add_raw("outlier_target", jout.str());
   top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
-  top.add("byte_mismatches", int64_t(byte_mismatches))
-      .add("cache_mismatches", int64_t(cache_wrong));
-  top.add("exact_wrong", int64_t(exact_wrong)).add("f64_wrong", int64_t(f64_wrong));
+  top.add("byte_mismatches", int64_t(byte_mismatches_));
+  top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
+  top.add("f64_wrong", int64_t(f64_wrong_));
 }
 
 // --dry-run: what each rank would hold and send, from the models and the library's slicing
 // (mla_shard_cache on a cache of no tokens gives a rank's latent and RoPE columns).
 void Mla::plan(Plan& p) const {
-  p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_, " (head_split splits the heads, tpla the ",
-             "latent); context ", S_, " batch ", B_, " new-tokens ", Sq_, " (queries at ", S_ - Sq_,
-             " .., causal); heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope,
-             " qk-nope ", cfg_.qk_nope, " v-head ", cfg_.v_head, "; fp32"));
-  p.line(cat("per step head_split allgathers every rank's heads of the output, tpla ",
-             "sum-allreduces it, over one group of all ", G_,
-             " ranks; device: ", device_plan(p.opts().launch)));
-  p.line(cat("would run ", std::size(kMethods), " methods, ", e_.warmup, " warm-up + ", e_.iters,
-             " timed steps on the uniform-energy latents, 1 step on each of ", kKinds - 1,
-             " more kinds; PCA on ", calibration_, " tokens per kind; check ", e_.check));
+  p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_,
+             ": head_split splits the heads (an allgather ",
+             "of them per step), tpla the latent (a sum-allreduce of the output); device ",
+             device_plan(p.opts().launch)));
+  for (const std::string& line : shape_lines())
+    p.line(line);
   std::vector<report::Column> cols = kMethodColumns;
   cols.push_back({"model", "(KB/rank/step)", 14});
   p.table(cols);
@@ -493,7 +485,10 @@ void Mla::plan(Plan& p) const {
     p.row(cells);
   }
   p.line("per rank: its heads under head_split, its latent and (split) RoPE columns under tpla");
-  p.table({{"rank", "", 6}, {"heads", "", 9}, {"latent", "", 11}, {"rope", "", 11}});
+  p.table({{"rank", "", 6},
+           {"heads", "(head_split)", 12},
+           {"latent", "(tpla)", 11},
+           {"rope", "(split)", 11}});
   const Tensor no_c_kv = Tensor::empty({1, 0, cfg_.latent}, DType::f32);
   const Tensor no_k_pe = Tensor::empty({1, 0, cfg_.rope}, DType::f32);
   p.for_shown(G_, [&](int g) {

@@ -54,6 +54,31 @@ int world_rank() {
   return rank;
 }
 
+std::vector<std::string> split_list(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t at = s.find(sep, begin);
+    out.push_back(s.substr(begin, at == std::string::npos ? at : at - begin));
+    if (at == std::string::npos) return out;
+    begin = at + 1;
+  }
+}
+
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(s)) {
+    size_t used = 0;
+    try {
+      out.push_back(std::stoll(item, &used, 10));
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    if (used != item.size()) return std::nullopt;
+  }
+  return out;
+}
+
 void CheckStats::compare(double got, double ref, const Tolerance& tol) {
   checked += 1;
   if (std::isinf(ref) || std::isinf(got)) {
@@ -199,21 +224,10 @@ namespace {
 struct Parsed {
   std::unique_ptr<Workload> w;
   EngineOptions e;
+  po::variables_map vm;
   Defaults d;
   bool answered = false;  // --help or --version was printed
 };
-
-// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  size_t begin = 0;
-  while (true) {
-    const size_t at = s.find(sep, begin);
-    out.push_back(s.substr(begin, at == std::string::npos ? at : at - begin));
-    if (at == std::string::npos) return out;
-    begin = at + 1;
-  }
-}
 
 // The shared options of a one-process workload: cp 1 x tp 1, the device cpu; the job's other
 // launch options are checked on the job's grid.
@@ -290,7 +304,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
   std::vector<char*> ptrs;
   for (const std::string& a : args)
     ptrs.push_back(const_cast<char*>(a.c_str()));
-  po::variables_map vm;
+  po::variables_map& vm = p.vm;
   parse_command_line(int(ptrs.size()), ptrs.data(), desc, vm, first);
   if (help || version) {
     if (world_rank() == 0) {
@@ -307,7 +321,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
     e.launch.runs_on_cuda = d.runs_on_cuda;
     resolve_launch_options(e.launch, d.default_tp);
   }
-  const std::string iters_name = cat("--", split(d.iters_option, ',')[0]);
+  const std::string iters_name = cat("--", split_list(d.iters_option)[0]);
   require_option(e.iters >= 1, iters_name.c_str(), e.iters, ">= 1");
   require_option(e.warmup >= 0, "--warmup", e.warmup, ">= 0");
   require_option(e.check == 0 || e.check == 1, "--check", e.check, "0 or 1");
@@ -316,7 +330,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv,
     const size_t eq = e.compare.find('=');
     const std::string key = e.compare.substr(0, eq);
     const std::vector<std::string> values =
-        eq == std::string::npos ? std::vector<std::string>{} : split(e.compare.substr(eq + 1), ',');
+        eq == std::string::npos ? std::vector<std::string>{} : split_list(e.compare.substr(eq + 1));
     const bool values_ok =
         values.size() >= 2 &&
         std::none_of(values.begin(), values.end(), [](const std::string& v) { return v.empty(); });
@@ -395,6 +409,12 @@ void dry_run(Workload& w, const EngineOptions& e) {
 }  // namespace
 
 // ------------------------------------------------------------------ the run
+
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& entry, int argc, char** argv) {
+  Parsed p = parse(entry, argc, argv, {});
+  if (p.answered) return std::nullopt;
+  return ParsedWorkload{std::move(p.w), std::move(p.e), std::move(p.vm)};
+}
 
 int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   if (!entry.make) return entry.main(argc, argv);

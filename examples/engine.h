@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -178,6 +179,10 @@ double percentile(const std::vector<double>& sorted, double p);
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.
 int world_rank();
+// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
+std::vector<std::string> split_list(const std::string& s, char sep = ',');
+// "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
 
 // ------------------------------------------------------------------ the dry run
 
@@ -271,6 +276,16 @@ struct WorkloadEntry {
 // (1 when #wrong > 0). Throws UsageError on bad options (run_program prints it once). Called
 // inside run_program (MPI up). An entry with main instead of make runs main.
 int run_workload(const WorkloadEntry& w, int argc, char** argv);
+
+// A workload parsed and resolved from a command line as run_workload does it, nothing run (the
+// fuzzers use it): the workload, the shared options and the options as given; nullopt when
+// --help or --version was answered. Throws UsageError. Called with MPI up.
+struct ParsedWorkload {
+  std::unique_ptr<Workload> workload;
+  EngineOptions options;
+  po::variables_map vm;
+};
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& w, int argc, char** argv);
 
 // The workload files each define their factory (examples/workloads.cpp lists them):
 //   std::unique_ptr<Workload> make_prefill_workload();  (prefill_bench.cpp), and so on.

@@ -6,15 +6,15 @@ namespace dattn::bench {
 const std::vector<WorkloadEntry>& workloads() {
   static const std::vector<WorkloadEntry> all = {
       {"prefill", "dattn-prefill-bench",
-       "distributed prefill: ring, ulysses or hybrid over any layout and mask", nullptr,
-       prefill_main},
+       "distributed prefill: ring, ulysses or hybrid over any layout and mask",
+       make_prefill_workload},
       {"decode", "dattn-decode-bench", "decoding over a sharded KV cache: tree, ring or allgather",
        nullptr, decode_main},
       {"star", "dattn-star-bench", "star attention: blockwise phase 1, then decoding", nullptr,
        star_main},
       {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", make_mla_workload},
-      {"kernel", "dattn-kernel-bench", "the CPU kernel against sgemm, one process", nullptr,
-       kernel_main},
+      {"kernel", "dattn-kernel-bench", "the CPU kernel against sgemm, one process",
+       make_kernel_workload},
   };
   return all;
 }

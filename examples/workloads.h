@@ -11,8 +11,8 @@
 
 namespace dattn::bench {
 
-int prefill_main(int argc, char** argv);
-int kernel_main(int argc, char** argv);
+std::unique_ptr<Workload> make_prefill_workload();
+std::unique_ptr<Workload> make_kernel_workload();
 int decode_main(int argc, char** argv);
 int star_main(int argc, char** argv);
 std::unique_ptr<Workload> make_mla_workload();

@@ -50,14 +50,15 @@ Tensor fill(std::initializer_list<int64_t> shape, TensorId id, int64_t heads, in
   Tensor t = Tensor::empty(shape, DType::f32);
   const bool batched = shape.size() > 2;
   const int64_t B = batched ? shape.begin()[0] : 1, S = shape.begin()[batched ? 1 : 0];
-  float* p = t.ptr<float>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0; s < S; ++s)
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t key = row_key(id, b, pos0 + s, h0 + h);
+        float* row = t.ptr<float>() + ((b * S + s) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
-          p[((b * S + s) * heads + h) * dim + d] =
-              gaussian(row_key(id, b, pos0 + s, h0 + h), d) * (std ? (*std)[size_t(d)] : 1.f);
+          row[d] = gaussian(key, d) * (std ? (*std)[size_t(d)] : 1.f);
+      }
   return t;
 }
 

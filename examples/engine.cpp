@@ -191,7 +191,7 @@ Timing Bench::time(const std::string& what, const TimedCall& c) {
                                 MPI_COMM_WORLD));
   double total = 0;
   for (double t : times)
-    total += t;
+    total += t, r.step_ms.push_back(t * 1e3);
   std::sort(times.begin(), times.end());
   r.step_mean_ms = total / iters * 1e3;
   r.p50_ms = percentile(times, 50) * 1e3;
@@ -473,7 +473,6 @@ std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& entry, int arg
 }
 
 int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
-  if (!entry.make) return entry.main(argc, argv);
   Parsed p = parse(entry, argc, argv);
   if (p.answered) return 0;
   for (const std::string& v : p.e.compare_values)  // each rerun's options, before any run

@@ -111,6 +111,7 @@ struct Timing {
   double step_mean_ms = 0;        // mean over the timed calls of the slowest rank's time
   double p50_ms = 0, p99_ms = 0;  // nearest-rank percentiles of the slowest rank's times
   double best_ms = 0;             // fastest timed call of the slowest rank
+  std::vector<double> step_ms;    // the slowest rank's time of each timed call, in order
   double sent_mb = 0;             // bytes counted per timed call, max over ranks (1 MB = 1e6 B)
   double model_mb = 0;            // model_bytes per timed call, max over ranks
   uint64_t byte_mismatches = 0;   // (rank, call) pairs, warm-up included, counted != model
@@ -284,13 +285,11 @@ struct WorkloadEntry {
   const char* program;
   const char* summary;
   std::unique_ptr<Workload> (*make)();
-  // A program that parses and runs by itself instead (make is null): main(argc, argv).
-  int (*main)(int argc, char** argv) = nullptr;
 };
 
 // Parses argv (argv[0] names the program), then runs the dry run or the benchmark; the exit code
 // (1 when #wrong > 0). Throws UsageError on bad options (run_program prints it once). Called
-// inside run_program (MPI up). An entry with main instead of make runs main.
+// inside run_program (MPI up).
 int run_workload(const WorkloadEntry& w, int argc, char** argv);
 
 // A workload parsed and resolved from a command line as run_workload does it, nothing run (the

@@ -12,7 +12,7 @@ const std::vector<WorkloadEntry>& workloads() {
        make_decode_workload},
       {"star", "dattn-star-bench", "star attention: blockwise phase 1, then decoding",
        make_star_workload},
-      {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", nullptr, mla_main},
+      {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", make_mla_workload},
       {"kernel", "dattn-kernel-bench", "the CPU kernel against sgemm, one process",
        make_kernel_workload},
   };

@@ -13,9 +13,9 @@ namespace dattn::bench {
 
 std::unique_ptr<Workload> make_prefill_workload();
 std::unique_ptr<Workload> make_kernel_workload();
-int mla_main(int argc, char** argv);
 std::unique_ptr<Workload> make_decode_workload();
 std::unique_ptr<Workload> make_star_workload();
+std::unique_ptr<Workload> make_mla_workload();
 
 const std::vector<WorkloadEntry>& workloads();
 const WorkloadEntry* find_workload(const std::string& name);  // nullptr when unknown

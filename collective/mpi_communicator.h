@@ -8,13 +8,14 @@
 #include "collective/communicator.h"
 #include "src/base/error.h"
 
-// Checks an MPI call's return code; on failure throws dattn::Error with the call, MPI's
-// message and the location.
-#define DATTN_MPI_CHECK(call)                                                                  \
-  do {                                                                                         \
-    int dattn_mpi_rc_ = (call);                                                                \
-    if (dattn_mpi_rc_ != MPI_SUCCESS)                                                          \
-      DATTN_THROW("MPI call failed: ", #call, ": ", ::dattn::mpi_error_string(dattn_mpi_rc_)); \
+// Checks an MPI call's return code; on failure throws dattn::Error (ErrorKind::mpi) with the
+// call, MPI's message and the location.
+#define DATTN_MPI_CHECK(call)                                                     \
+  do {                                                                            \
+    int dattn_mpi_rc_ = (call);                                                   \
+    if (dattn_mpi_rc_ != MPI_SUCCESS)                                             \
+      DATTN_THROW_KIND(::dattn::ErrorKind::mpi, "MPI call failed: ", #call, ": ", \
+                       ::dattn::mpi_error_string(dattn_mpi_rc_));                 \
   } while (0)
 
 namespace dattn {

@@ -177,16 +177,26 @@ const char* kDeadlineReason =
     "(RuntimeOptions.timeout_s, DATTN_TIMEOUT)";
 
 // Every rank of control learns whether any rank failed a step; all throw if one did (the failing
-// ranks their own error, the others one naming the step), so that no rank goes on into a
-// collective the failed one will never join. Host control data: over MPI, under its deadline.
+// ranks their own error, the others one naming the step, of the failed rank's kind), so that no
+// rank goes on into a collective the failed one will never join. Host control data: over MPI,
+// under its deadline.
 void agree(MpiCommunicator& control, const std::exception_ptr& mine, const char* step) {
-  const uint64_t failed = mine ? 1 : 0;
+  uint64_t failed = 0;  // 1 + this rank's ErrorKind, 0 if it did not fail
+  if (mine) {
+    try {
+      std::rethrow_exception(mine);
+    } catch (const Error& e) {
+      failed = 1 + uint64_t(e.kind());
+    } catch (...) {
+      failed = 1 + uint64_t(ErrorKind::internal);
+    }
+  }
   uint64_t any = 0;
   control.allreduce_u64(&failed, &any, 1, ReduceOp::max);
   if (mine) std::rethrow_exception(mine);
   if (any != 0)
-    DATTN_THROW("NcclCommunicator: ", step, " failed on another rank of ", control.name(),
-                " (that rank's error says why)");
+    DATTN_THROW_KIND(ErrorKind(any - 1), "NcclCommunicator: ", step, " failed on another rank of ",
+                     control.name(), " (that rank's error says why)");
 }
 
 // The CUDA objects of a communicator under construction, released unless handed on.
@@ -272,7 +282,8 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
       }
       control->broadcast(&boot, sizeof boot, 0);  // DATTN_MPI_CHECK'ed, under the deadline
       if (id_error) std::rethrow_exception(id_error);
-      if (boot.ok == 0) DATTN_THROW("NcclCommunicator: ncclGetUniqueId failed on rank 0");
+      if (boot.ok == 0)
+        DATTN_THROW_KIND(ErrorKind::nccl, "NcclCommunicator: ncclGetUniqueId failed on rank 0");
       DATTN_NCCL_CHECK_ASYNC(ncclCommInitRankConfig(&comm, size, boot.id, rank, &config));
     } else {
       DATTN_NCCL_CHECK_ASYNC(ncclCommSplit(parent->comm_, color, key, &comm, &config));
@@ -291,7 +302,8 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
       watchdog_abort(comm, what, control->name(), size, timeout_s, kDeadlineReason, waited,
                      peers_text(world_ranks_of(control->comm())));
     if (state != ncclSuccess)
-      DATTN_THROW("NCCL call failed: ", what, " (", size, " ranks): ", nccl_error_text(state));
+      DATTN_THROW_KIND(ErrorKind::nccl, "NCCL call failed: ", what, " (", size,
+                       " ranks): ", nccl_error_text(state));
   } catch (const Error&) {
     error = std::current_exception();
     if (comm != nullptr) ncclCommAbort(comm);

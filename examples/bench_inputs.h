@@ -61,4 +61,19 @@ inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t ba
   return t;
 }
 
+// The tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`: [B, n, heads, dim], the
+// heads head0 .. head0 + heads - 1 of the global tensor (a decode step's new tokens).
+inline Tensor make_tokens(uint64_t id, int64_t pos0, int64_t n, int64_t batch, int64_t heads,
+                          int64_t dim, DType dtype, int64_t head0 = 0) {
+  Tensor t = Tensor::empty({batch, n, heads, dim}, dtype);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t row = row_key(id, b, pos0 + i, head0 + h);
+        for (int64_t d = 0; d < dim; ++d)
+          t.set(((b * n + i) * heads + h) * dim + d, input_value(row, d, dtype));
+      }
+  return t;
+}
+
 }  // namespace dattn::bench

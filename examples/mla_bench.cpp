@@ -1,1026 +1,510 @@
-// dattn-mla-bench: multi-head latent attention decode (src/mla.h), nccl-tests style. One decode
-// step of absorbed MLA over a cache of `context` latents, distributed over the G ranks two ways:
-// head split (each rank H/G heads, the whole cache) and TPLA (each rank a 1/G slice of the
-// latent, per-slice softmax, outputs summed), the latter with no transform, a Hadamard transform
-// and a PCA transform folded into the weights, and with its two options (RoPE part split, logits
-// scaled by G). Per method: the cache bytes a rank holds, the bytes it sends per step against
-// the model, the step latency (max over ranks), and the error of the output against exact MLA on
-// two kinds of latents (every channel of the same energy; a few outlier channels at 20x).
+// The MLA workload (dattn-mla-bench) on the benchmark engine: one absorbed decode step of
+// multi-head latent attention (src/mla.h) over a cache of `context` latents on G ranks, by head
+// split and by TPLA (no, Hadamard or PCA transform; RoPE part split; logits scaled by G). Per
+// method: the cache bytes a rank holds and the bytes it sends against the models, the step
+// latency, and the error against exact MLA on three kinds of latents.
 #include <mpi.h>
 
 #include <algorithm>
-#include <boost/program_options.hpp>
 #include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <iostream>
 #include <numeric>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "collective/mpi_communicator.h"
 #include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
-#include "examples/report.h"
+#include "examples/engine.h"
 #include "examples/workloads.h"
-#include "launch/options.h"
 #include "launch/program.h"
-#include "launch/progress.h"
-#include "src/base/error.h"
 #include "src/mla.h"
 
+namespace dattn::bench {
 namespace {
 
-namespace po = boost::program_options;
-using dattn::LatentTransform;
-using dattn::MlaConfig;
-using dattn::MlaParallel;
-using dattn::MlaTransform;
-using dattn::MlaWeights;
-using dattn::RopePlacement;
-using dattn::Tensor;
-using dattn::TplaOptions;
-using dattn::bench::mix64;
-using dattn::bench::row_key;
+using detail::cat;
+using report::fixed;
+using report::sci;
 
-// The weights' seed (MlaWeights::random), the same on every rank.
-constexpr uint64_t kWeightSeed = 20250601;
-// The std of an outlier latent channel, in units of the others'.
-constexpr float kOutlierFactor = 20.f;
-// head_split (and, at G = 1, every TPLA row) must equal exact MLA within this relative L2 error.
-constexpr double kExactRelTol = 1e-4;
-// With --check, every element of a method's output against the float64 reference of its own rule
-// (tpla_reference at G slices; exact MLA for head_split).
-constexpr double kTolAbs = 1e-4, kTolRel = 1e-4;
+constexpr uint64_t kWeightSeed = 20250601;  // MlaWeights::random, the same on every rank
+constexpr float kOutlierFactor = 20.f;      // an outlier channel's std, in the others' units
+constexpr float kAlignFactor = 5.f;         // W_UK's outlier columns, for aligned queries
+constexpr double kExactRelTol = 1e-4;       // head split (every row at G = 1) vs exact MLA
+constexpr Tolerance kTol{1e-4, 1e-4};       // the check: each element vs its float64 rule
+constexpr int64_t kCheckHeads = 2;          // the check's sample: a rank's first heads
 
-// ================================================================== options
-
-struct Options {
-  int64_t context = 32768;
-  int64_t batch = 1;
-  int64_t new_tokens = 1;  // S_q per step
-  int steps = 5;
-  int warmup = 1;
-  int64_t heads = 128;
-  int64_t latent = 512;
-  int64_t rope = 64;
-  int64_t qk_nope = 128;
-  int64_t v_head = 128;
-  int64_t outliers = 8;
-  int64_t calibration = 2048;
-  int check = 0;
-  int threads = 0;
-  std::string json;
-  // --cp, --tp, --device, --dry-run, --config. The ranks split the heads (head_split) or the
-  // latent (TPLA): that is the tensor-parallel degree, so tp = all ranks and cp = 1.
-  dattn::LaunchOptions launch;
-};
-
-int world_rank() {
-  int rank = 0;
-  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-  return rank;
-}
-
-int world_size() {
-  int size = 1;
-  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return size;
-}
-
-// Parses and validates the command line; nullopt when --help or --version was answered.
-// Every rank parses the same arguments, so a UsageError is thrown on every rank alike.
-std::optional<Options> parse_options(int argc, char** argv) {
-  Options o;
-  bool help = false, version = false;
-  po::options_description desc(
-      "dattn-mla-bench: MLA decode over G ranks, head split against TPLA (no transform, "
-      "Hadamard, PCA): cache bytes, bytes sent, step latency and error against exact MLA\n"
-      "usage: mpiexec -n G dattn-mla-bench [options]\noptions");
-  // clang-format off
-  desc.add_options()
-    ("context,x", po::value(&o.context)->default_value(o.context),
-     "context length: latents in the cache")
-    ("batch,b", po::value(&o.batch)->default_value(o.batch), "batch size B")
-    ("new-tokens,q", po::value(&o.new_tokens)->default_value(o.new_tokens),
-     "queries S_q per decode step (the cache's last S_q positions)")
-    ("steps,n", po::value(&o.steps)->default_value(o.steps), "timed decode steps per method")
-    ("warmup,w", po::value(&o.warmup)->default_value(o.warmup),
-     "untimed warm-up decode steps per method")
-    ("heads", po::value(&o.heads)->default_value(o.heads), "query heads H")
-    ("latent", po::value(&o.latent)->default_value(o.latent),
-     "latent dimension d_c (a power of two, for the Hadamard transform)")
-    ("rope", po::value(&o.rope)->default_value(o.rope), "decoupled RoPE dimension d_r")
-    ("qk-nope", po::value(&o.qk_nope)->default_value(o.qk_nope),
-     "per-head query/key dimension without RoPE")
-    ("v-head", po::value(&o.v_head)->default_value(o.v_head), "per-head value dimension")
-    ("outliers", po::value(&o.outliers)->default_value(o.outliers),
-     "outlier latent channels (20x the std of the others) of the second input kind")
-    ("calibration", po::value(&o.calibration)->default_value(o.calibration),
-     "calibration tokens for the PCA transform (>= 2)")
-    ("check,k", po::value(&o.check)->default_value(o.check),
-     "also compare every method's output with the float64 reference of its own rule (0 or 1)")
-    ("threads,T", po::value(&o.threads)->default_value(o.threads),
-     "OpenMP threads per rank (0: OMP_NUM_THREADS, else cores per rank)")
-    ("json,J", po::value(&o.json)->value_name("FILE"), "also write the results as JSON to FILE")
-    ("help,h", po::bool_switch(&help), "print this help")
-    ("version,V", po::bool_switch(&version), "print the version");
-  // clang-format on
-  dattn::add_launch_options(desc, o.launch);
-  po::variables_map vm;
-  dattn::parse_command_line(argc, argv, desc, vm);
-  if (help || version) {
-    if (world_rank() == 0) {
-      if (help) std::cout << desc << "\n";
-      if (version) std::cout << "dattn-mla-bench " << DATTN_VERSION << "\n";
-    }
-    return std::nullopt;
-  }
-
-  using dattn::require_option;
-  using dattn::detail::cat;
-  // MLA decode has no context parallelism: every rank holds (a slice of) the whole cache. Checked
-  // before resolving, so that --cp 3 on 4 ranks says this rather than "cp x tp != ranks".
-  const char* why = "MLA decode splits heads or the latent over all ranks (--tp)";
-  require_option(o.launch.cp == 0 || o.launch.cp == 1, "--cp", o.launch.cp, cat("1: ", why));
-  // tp defaults to every rank of the plan: the job's, or --world-size's with --dry-run (resolve
-  // rejects --world-size without --dry-run).
-  o.launch.runs_on_cuda = true;  // the head split and TPLA decode run on GPU tensors too
-  dattn::resolve_launch_options(o.launch,
-                                o.launch.world_size > 0 ? o.launch.world_size : world_size());
-  const int G = o.launch.world;
-  require_option(o.launch.tp == G && o.launch.cp == 1, "--tp", o.launch.tp,
-                 cat("the number of ranks (", G, "): ", why));
-  require_option(o.context >= 1, "--context", o.context, ">= 1");
-  require_option(o.batch >= 1, "--batch", o.batch, ">= 1");
-  require_option(o.new_tokens >= 1 && o.new_tokens <= o.context, "--new-tokens", o.new_tokens,
-                 cat(">= 1 and <= --context (", o.context, ")"));
-  require_option(o.steps >= 1, "--steps", o.steps, ">= 1");
-  require_option(o.warmup >= 0, "--warmup", o.warmup, ">= 0");
-  require_option(o.heads >= 1 && o.heads % G == 0, "--heads", o.heads,
-                 cat(">= 1 and divisible by the ranks (", G, ") for head split"));
-  require_option(o.latent >= 1 && (o.latent & (o.latent - 1)) == 0 && o.latent % G == 0, "--latent",
-                 o.latent,
-                 cat("a power of two (Hadamard) divisible by the ranks (", G, ") for TPLA"));
-  require_option(o.rope >= 0 && o.rope % G == 0, "--rope", o.rope,
-                 cat(">= 0 and divisible by the ranks (", G, ") for the split RoPE row"));
-  require_option(o.qk_nope >= 1, "--qk-nope", o.qk_nope, ">= 1");
-  require_option(o.v_head >= 1, "--v-head", o.v_head, ">= 1");
-  require_option(o.outliers >= 0 && o.outliers <= o.latent, "--outliers", o.outliers,
-                 cat(">= 0 and <= --latent (", o.latent, ")"));
-  require_option(o.calibration >= 2, "--calibration", o.calibration, ">= 2");
-  require_option(o.check == 0 || o.check == 1, "--check", o.check, "0 or 1");
-  require_option(o.threads >= 0, "--threads", o.threads, ">= 0");
-  return o;
-}
-
-// ================================================================== inputs
-
-// Inputs come from a hash of (tensor, batch, position, head, dim), as in the other benchmarks:
-// the same on every rank and for every rank count. Every value is Gaussian with std 1, except the
-// latents of the "outlier channels" kind, whose outlier channels have std 20.
+// Inputs: Gaussian with std 1 from a hash of (tensor, batch, position, head, dim), the same on
+// every rank and for every G; a latent's outlier channels have std kOutlierFactor.
 enum TensorId : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
 
-// Standard normal (Box-Muller on two 32-bit halves of one hash).
-inline float gaussian(uint64_t row, int64_t d) {
+float gaussian(uint64_t row, int64_t d) {  // Box-Muller on the two halves of one hash
   const uint64_t x = mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull));
-  const double u1 = (double(x >> 32) + 0.5) * 0x1p-32;
-  const double u2 = double(x & 0xffffffffull) * 0x1p-32;
+  const double u1 = (double(x >> 32) + 0.5) * 0x1p-32, u2 = double(x & 0xffffffffull) * 0x1p-32;
   return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
 }
 
-// Fills t (fp32, contiguous [B, S, heads, dim] whatever its declared shape) with the rows of
-// tensor `id` at positions pos0 ..; channel d scaled by std[d] when std is given.
-void fill(Tensor& t, TensorId id, int64_t B, int64_t S, int64_t heads, int64_t dim, int64_t pos0,
-          const std::vector<float>* std = nullptr) {
-  float* p = t.ptr<float>();
+// Tensor `id` in `shape` (fp32, contiguous [B, S, heads, dim] whatever the shape; a 2-D shape
+// is [S, dim] of batch 1): heads h0 .. at positions pos0 ..; channel d times std[d] when given.
+Tensor fill(std::initializer_list<int64_t> shape, TensorId id, int64_t heads, int64_t dim,
+            int64_t pos0 = 0, int64_t h0 = 0, const std::vector<float>* std = nullptr) {
+  Tensor t = Tensor::empty(shape, DType::f32);
+  const bool batched = shape.size() > 2;
+  const int64_t B = batched ? shape.begin()[0] : 1, S = shape.begin()[batched ? 1 : 0];
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0; s < S; ++s)
       for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t key = row_key(id, b, pos0 + s, h);
-        float* row = p + ((b * S + s) * heads + h) * dim;
+        const uint64_t key = row_key(id, b, pos0 + s, h0 + h);
+        float* row = t.ptr<float>() + ((b * S + s) * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d)
           row[d] = gaussian(key, d) * (std ? (*std)[size_t(d)] : 1.f);
       }
+  return t;
 }
 
-// `n` distinct latent channels, chosen by a fixed hash (partial Fisher-Yates), sorted.
+// `n` distinct latent channels chosen by a fixed hash (partial Fisher-Yates), sorted.
 std::vector<int64_t> outlier_channels(int64_t d_c, int64_t n) {
   std::vector<int64_t> idx(static_cast<size_t>(d_c));
   std::iota(idx.begin(), idx.end(), int64_t(0));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t j = i + int64_t(mix64(0x0a71e55ull ^ uint64_t(i)) % uint64_t(d_c - i));
-    std::swap(idx[size_t(i)], idx[size_t(j)]);
-  }
+  for (int64_t i = 0; i < n; ++i)
+    std::swap(idx[size_t(i)],
+              idx[size_t(i + int64_t(mix64(0x0a71e55ull ^ uint64_t(i)) % uint64_t(d_c - i)))]);
   idx.resize(static_cast<size_t>(n));
   std::sort(idx.begin(), idx.end());
   return idx;
 }
 
-// The input kinds: latents with every channel of the same energy; latents with a few outlier
-// channels and isotropic queries (the outliers barely steer the logits); and the same latents
-// with queries whose absorbed weights are kAlignFactor x larger on the outlier channels, so that
-// the outlier channels dominate the logits (the case the transforms exist for).
-enum class Kind : int { uniform = 0, outliers = 1, aligned = 2 };
-constexpr int kKinds = 3;
-constexpr float kAlignFactor = 5.f;
-const char* kind_name(Kind k) {
-  return k == Kind::uniform    ? "uniform energy"
-         : k == Kind::outliers ? "outlier channels"
-                               : "outlier channels, aligned queries";
-}
-
-// The weights of a kind: for `aligned`, W_UK's columns of the outlier channels scaled up.
-MlaWeights kind_weights(Kind k, const MlaWeights& w, const std::vector<int64_t>& outliers) {
-  if (k != Kind::aligned) return w;
-  MlaWeights a{w.w_uk.to(dattn::DType::f32), w.w_uv};
-  const int64_t rows = a.w_uk.size(0) * a.w_uk.size(1), dc = a.w_uk.size(2);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c : outliers)
-      a.w_uk.ptr<float>()[r * dc + c] *= kAlignFactor;
-  return a;
-}
-
-std::vector<float> channel_std(Kind k, int64_t d_c, const std::vector<int64_t>& outliers) {
-  std::vector<float> s(static_cast<size_t>(d_c), 1.f);
-  if (k != Kind::uniform)
-    for (int64_t c : outliers)
-      s[size_t(c)] = kOutlierFactor;
-  return s;
-}
-
-// The heads [h0, h0 + n) of a [B, S, H, D] tensor.
-Tensor slice_heads(const Tensor& t, int64_t h0, int64_t n) {
-  const int64_t B = t.size(0), S = t.size(1), H = t.size(2), D = t.size(3);
-  Tensor out = Tensor::empty({B, S, n, D}, dattn::DType::f32);
-  for (int64_t i = 0; i < B * S; ++i)
-    std::memcpy(out.ptr<float>() + i * n * D, t.ptr<float>() + (i * H + h0) * D,
-                size_t(n * D) * sizeof(float));
-  return out;
-}
-
-// The heads [h0, h0 + n) of [H, a, d_c] weights.
-Tensor slice_weight(const Tensor& w, int64_t h0, int64_t n) {
-  const int64_t a = w.size(1), dc = w.size(2);
-  Tensor out = Tensor::empty({n, a, dc}, dattn::DType::f32);
-  std::memcpy(out.ptr<float>(), w.ptr<float>() + h0 * a * dc, size_t(n * a * dc) * sizeof(float));
-  return out;
-}
-
-MlaWeights slice_weights(const MlaWeights& w, int64_t h0, int64_t n) {
-  return MlaWeights{slice_weight(w.w_uk, h0, n), slice_weight(w.w_uv, h0, n)};
-}
-
-// ================================================================== small helpers
-
-double allreduce_max(double v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  return v;
-}
-
-uint64_t allreduce_u64(uint64_t v, MPI_Op op) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, op, MPI_COMM_WORLD));
-  return v;
-}
-
-// Nearest-rank percentile of sorted values.
-double percentile(const std::vector<double>& sorted, double p) {
-  const size_t n = sorted.size();
-  size_t k = size_t(std::ceil(p / 100.0 * double(n)));
-  k = std::clamp<size_t>(k, 1, n);
-  return sorted[k - 1];
-}
-
-// ================================================================== accuracy
-
-// With --check: elements of out against a float64 reference.
-struct CheckStats {
-  uint64_t checked = 0, wrong = 0;
-  double max_err = 0;
+// The input kinds: every latent channel of the same energy; a few outlier channels with
+// isotropic queries (the outliers barely steer the logits); the same latents with W_UK's outlier
+// columns kAlignFactor x larger, so that they dominate the logits (what the transforms are for).
+struct Kind {
+  const char *name, *key;  // key: the JSON row's
 };
+const Kind kKinds[] = {{"uniform energy", "uniform_energy"},
+                       {"outlier channels", "outlier_channels"},
+                       {"outlier channels, aligned queries", "outlier_channels_aligned_queries"}};
 
-// A method's output on one input kind against exact MLA (and, with --check, against float64).
-struct Accuracy {
-  bool measured = false;
-  double rel_l2 = 0;   // ||out - exact|| / ||exact||, all elements
-  double max_abs = 0;  // max |out - exact|
-  bool checked = false;
-  CheckStats f64;
-};
-
-// This rank's heads [h0, h0 + hn) of out [B, S_q, H, v] against `mine` [B, S_q, hn, v] (the
-// same heads of exact MLA); the sums over every rank's heads.
-void compare_exact(const Tensor& out, const Tensor& mine, int64_t h0, int64_t hn, Accuracy& acc) {
-  const int64_t B = out.size(0), Sq = out.size(1), H = out.size(2), dv = out.size(3);
-  double s[2] = {0, 0}, max_abs = 0;
-  for (int64_t t = 0; t < B * Sq; ++t)
-    for (int64_t i = 0; i < hn; ++i)
-      for (int64_t d = 0; d < dv; ++d) {
-        const double got = out.ptr<float>()[(t * H + h0 + i) * dv + d];
-        const double ref = mine.ptr<float>()[(t * hn + i) * dv + d];
-        const double diff = got - ref;
-        s[0] += diff * diff;
-        s[1] += ref * ref;
-        max_abs = std::max(max_abs, std::isfinite(diff) ? std::abs(diff) : INFINITY);
-      }
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-  acc.measured = true;
-  acc.rel_l2 = s[1] > 0 ? std::sqrt(s[0] / s[1]) : std::sqrt(s[0]);
-  acc.max_abs = allreduce_max(max_abs);
+// The heads [h0, h0 + n) of [H, a, d_c] weights (views: w outlives them).
+MlaWeights heads_of(const MlaWeights& w, int64_t h0, int64_t n) {
+  const auto view = [&](const Tensor& t) {
+    const int64_t a = t.size(1), dc = t.size(2);
+    return Tensor::wrap(t.ptr<float>() + h0 * a * dc, {n, a, dc}, DType::f32);
+  };
+  return {view(w.w_uk), view(w.w_uv)};
 }
-
-// This rank's heads of out against its float64 reference ref [B, S_q, hn, v]: every element
-// within kTolAbs + kTolRel * |ref|.
-void compare_f64(const Tensor& out, const std::vector<double>& ref, int64_t h0, int64_t hn,
-                 Accuracy& acc) {
-  const int64_t B = out.size(0), Sq = out.size(1), H = out.size(2), dv = out.size(3);
-  CheckStats c;
-  for (int64_t t = 0; t < B * Sq; ++t)
-    for (int64_t i = 0; i < hn; ++i)
-      for (int64_t d = 0; d < dv; ++d) {
-        const double got = out.ptr<float>()[(t * H + h0 + i) * dv + d];
-        const double r = ref[size_t((t * hn + i) * dv + d)];
-        const double err = std::abs(got - r);
-        c.checked += 1;
-        if (std::isfinite(err)) c.max_err = std::max(c.max_err, err);
-        if (!(err <= kTolAbs + kTolRel * std::abs(r))) c.wrong += 1;
-      }
-  acc.checked = true;
-  acc.f64.checked = allreduce_u64(c.checked, MPI_SUM);
-  acc.f64.wrong = allreduce_u64(c.wrong, MPI_SUM);
-  acc.f64.max_err = allreduce_max(c.max_err);
-}
-
-// ================================================================== methods
 
 struct Method {
-  MlaParallel parallel = MlaParallel::head_split;
-  LatentTransform transform = LatentTransform::none;
+  MlaParallel parallel;
+  LatentTransform transform;
   TplaOptions opt;
+  const char* label;
   bool tpla() const { return parallel == MlaParallel::tpla; }
-  std::string rope_name() const {
+  std::string rope() const {
     return !tpla() ? "whole" : opt.rope == RopePlacement::split ? "split" : "replicated";
   }
-  std::string logits_name() const { return tpla() && opt.scale_logits_by_g ? "xG" : "x1"; }
-  std::string label() const {
-    std::string s = dattn::mla_parallel_name(parallel);
-    if (!tpla()) return s;
-    s += std::string(" ") + dattn::latent_transform_name(transform);
-    if (opt.rope == RopePlacement::split) s += " split-rope";
-    if (opt.scale_logits_by_g) s += " logit-scale-G";
-    return s;
+};
+
+// The rows, in this order (the footer reads them by index).
+using Lt = LatentTransform;
+const Method kMethods[] = {
+    {MlaParallel::head_split, Lt::none, {}, "head_split"},
+    {MlaParallel::tpla, Lt::none, {}, "tpla none"},
+    {MlaParallel::tpla, Lt::hadamard, {}, "tpla hadamard"},
+    {MlaParallel::tpla, Lt::pca, {}, "tpla pca"},
+    {MlaParallel::tpla, Lt::none, {RopePlacement::split}, "tpla none split-rope"},
+    {MlaParallel::tpla, Lt::hadamard, {{}, true}, "tpla hadamard logit-scale-G"}};
+enum : size_t { kHeadSplit, kNone, kHadamard, kPca, kSplitRope };
+
+// The columns and cells a method's row shares with the plan's table.
+const std::vector<report::Column> kMethodColumns = {
+    {"method", "", 10}, {"transform", "", 9},        {"rope", "", 10},
+    {"logits", "", 6},  {"cache", "(MiB/rank)", 10}, {"ratio", "", 6}};
+std::vector<std::string> method_cells(const Method& m, uint64_t cache, double ratio) {
+  return {
+      mla_parallel_name(m.parallel),         latent_transform_name(m.transform),  m.rope(),
+      m.opt.scale_logits_by_g ? "xG" : "x1", fixed(double(cache) / 1048576.0, 2), fixed(ratio, 3)};
+}
+
+// A method's output on one input kind: against exact MLA, and (the check) its float64 rule.
+struct Accuracy {
+  double rel_l2 = 0, max_abs = 0;  // ||out - exact|| / ||exact||, max |out - exact|
+  CheckStats f64;
+  std::string json() const {
+    report::JsonObject j;
+    j.add("rel_l2", rel_l2).add("max_abs", max_abs);
+    if (f64.checked > 0) j.add("f64_checked_elements", int64_t(f64.checked));
+    if (f64.checked > 0) j.add("f64_wrong", int64_t(f64.wrong)).add("f64_max_err", f64.max_err);
+    return j.str();
   }
 };
 
-std::vector<Method> methods() {
-  std::vector<Method> m(6);
-  m[0].parallel = MlaParallel::head_split;
-  for (int i = 1; i < 6; ++i)
-    m[size_t(i)].parallel = MlaParallel::tpla;
-  m[1].transform = LatentTransform::none;
-  m[2].transform = LatentTransform::hadamard;
-  m[3].transform = LatentTransform::pca;
-  m[4].transform = LatentTransform::none;  // split RoPE
-  m[4].opt.rope = RopePlacement::split;
-  m[5].transform = LatentTransform::hadamard;  // logits scaled by G
-  m[5].opt.scale_logits_by_g = true;
-  return m;
-}
-
-struct Row {
-  Method method;
-  uint64_t cache_model_bytes = 0;  // per rank, mla_cache_bytes_per_token * context * batch
-  uint64_t cache_held_bytes = 0;   // what the shard holds, max over ranks
-  double cache_ratio = 0;          // model bytes / head_split's
-  std::vector<double> times;       // per timed step, max over ranks (s)
-  double mean_ms = 0, p50_ms = 0;
-  double sent_kb = 0, model_kb = 0;  // per rank per timed step, max over ranks (1 KB = 1e3 B)
-  uint64_t byte_mismatches = 0;      // (rank, call) pairs off the model
-  Accuracy acc[kKinds];
-  uint64_t exact_wrong = 0;  // input kinds where a row that must be exact is not
-  uint64_t cache_wrong() const { return cache_held_bytes != cache_model_bytes ? 1 : 0; }
-  uint64_t wrong() const {
-    uint64_t w = byte_mismatches + exact_wrong + cache_wrong();
-    for (const Accuracy& a : acc)
-      w += a.f64.wrong;
-    return w;
-  }
+struct Result {
+  uint64_t cache_held = 0;       // the shard's bytes, max over ranks
+  Timing t;                      // the uniform-energy kind's steps
+  uint64_t byte_mismatches = 0;  // every kind's steps
+  Accuracy acc[std::size(kKinds)];
+  uint64_t exact_wrong = 0;  // kinds where a row that must equal exact MLA does not
+  uint64_t f64_wrong = 0;    // elements off the float64 rule
 };
 
-// What is needed to run the methods on one input kind.
-struct Problem {
-  const Options* o = nullptr;
-  MlaConfig cfg;
-  int64_t pos0 = 0;         // the queries' first position
-  Tensor q_nope, q_pe;      // on the host (the references)
-  Tensor q_nope_d, q_pe_d;  // on the Runtime's device (the decode)
-  int64_t h0 = 0, hn = 0;   // this rank's heads of the reference
+class Mla final : public Workload {
+ public:
+  const char* name() const override { return "mla"; }
+  const char* program() const override { return "dattn-mla-bench"; }
+  const char* summary() const override { return "MLA decode: head split against TPLA"; }
+  const char* title() const override { return "dattn MLA decode benchmark"; }
+  Defaults defaults() const override {
+    Defaults d;
+    d.iters_option = "steps,n", d.iters_help = "timed decode steps per method";
+    d.runs_on_cuda = true;  // head split and TPLA run on GPU tensors too
+    return d;
+  }
+
+  void add_options(po::options_description& desc) override {
+    const auto opt = [&](const char* name, int64_t& v, const char* help) {
+      desc.add_options()(name, po::value(&v)->default_value(v), help);
+    };
+    opt("context,x", S_, "context length: latents in the cache");
+    opt("batch,b", B_, "batch size B");
+    opt("new-tokens,q", Sq_, "queries S_q per decode step (the cache's last S_q positions)");
+    opt("heads", cfg_.heads, "query heads H");
+    opt("latent", cfg_.latent, "latent dimension d_c (a power of two, for the Hadamard transform)");
+    opt("rope", cfg_.rope, "decoupled RoPE dimension d_r");
+    opt("qk-nope", cfg_.qk_nope, "per-head query/key dimension without RoPE");
+    opt("v-head", cfg_.v_head, "per-head value dimension");
+    opt("outliers", outliers_, "outlier latent channels (20x the std of the others)");
+    opt("calibration", calibration_, "calibration tokens for the PCA transform (>= 2)");
+  }
+
+  void resolve(const po::variables_map& vm, const EngineOptions& e) override {
+    e_ = e, G_ = e.launch.world;
+    // The ranks split the heads (head_split) or the latent (TPLA): tp is every rank, cp 1.
+    const std::string all = " (MLA decode splits heads or the latent over all ranks)";
+    const int cp = vm.count("cp") ? vm["cp"].as<int>() : 0;
+    const int tp = vm.count("tp") ? vm["tp"].as<int>() : 0;
+    require_option(cp == 0 || cp == 1, "--cp", cp, "1" + all);
+    require_option(tp == 0 || tp == G_, "--tp", tp, cat("the number of ranks, ", G_, all));
+    require_option(S_ >= 1, "--context", S_, ">= 1");
+    require_option(B_ >= 1, "--batch", B_, ">= 1");
+    require_option(Sq_ >= 1 && Sq_ <= S_, "--new-tokens", Sq_, ">= 1 and <= --context");
+    const int64_t H = cfg_.heads, dc = cfg_.latent, dr = cfg_.rope;
+    const std::string by_g = cat(" divisible by the ranks (", G_, ")");
+    require_option(H >= 1 && H % G_ == 0, "--heads", H, ">= 1 and" + by_g);
+    require_option(dc >= 1 && (dc & (dc - 1)) == 0 && dc % G_ == 0, "--latent", dc,
+                   "a power of two (Hadamard)" + by_g);
+    require_option(dr >= 0 && dr % G_ == 0, "--rope", dr, ">= 0 and" + by_g);
+    require_option(cfg_.qk_nope >= 1, "--qk-nope", cfg_.qk_nope, ">= 1");
+    require_option(cfg_.v_head >= 1, "--v-head", cfg_.v_head, ">= 1");
+    require_option(outliers_ >= 0 && outliers_ <= dc, "--outliers", outliers_, "0 .. --latent");
+    require_option(calibration_ >= 2, "--calibration", calibration_, ">= 2");
+    cfg_.validate();
+    channels_ = outlier_channels(dc, outliers_);
+    for (int64_t c : channels_)
+      channel_names_.push_back(std::to_string(c));
+  }
+
+  // mla_decode runs over rt.cp(): the Runtime's grid is cp = every rank, tp = 1.
+  RuntimeOptions runtime_options(const EngineOptions& e) const override {
+    RuntimeOptions r;
+    r.device = e.launch.dev, r.threads = e.threads;
+    return r;
+  }
+
+  std::vector<std::string> config_lines(Runtime& rt) const override {
+    std::vector<std::string> lines = shape_lines();
+    lines.insert(lines.begin(),
+                 cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads()));
+    return lines;
+  }
+
+  void config_json(report::JsonObject& c) const override {
+    c.add("context", S_).add("batch", B_).add("new_tokens", Sq_).add("q_pos0", S_ - Sq_);
+    c.add("mask", "causal").add("steps", e_.iters).add("heads", cfg_.heads);
+    c.add("latent", cfg_.latent).add("rope", cfg_.rope).add("qk_nope", cfg_.qk_nope);
+    c.add("v_head", cfg_.v_head).add("softmax_scale", double(cfg_.scale()));
+    c.add("weight_seed", int64_t(kWeightSeed)).add("outliers", outliers_);
+    c.add("outlier_std_factor", double(kOutlierFactor));
+    c.add_raw("outlier_channels", report::json_array(channel_names_));
+    c.add("calibration", calibration_).add("check_heads_per_rank", kCheckHeads);
+  }
+
+  std::vector<std::vector<report::Column>> tables(const Bench&) const override {
+    std::vector<report::Column> cols = kMethodColumns;
+    cols.insert(cols.end(), {{"sent", "(KB/rank/step)", 14}, {"model", "(KB)", 9}});
+    cols.insert(cols.end(), {{"mean", "(ms)", 9}, {"p50", "(ms)", 9}});
+    for (const char* k : {"unif", "outl", "algn"})
+      cols.insert(cols.end(), {{cat("err_", k), "(rel L2)", 9}, {cat("max_", k), "(abs)", 9}});
+    cols.push_back({"#wrong", "", 6});
+    return {cols};
+  }
+
+  std::vector<Case> cases(const Bench&) const override { return {{0, cat("mla context ", S_), 0}}; }
+  std::vector<Row> run(Bench& b, const Case&) override;
+  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override;
+  void plan(Plan& p) const override;
+
+ private:
+  // The run's shape and inputs: the header's lines and the plan's.
+  std::vector<std::string> shape_lines() const {
+    return {
+        cat("context ", S_, " batch ", B_, " new-tokens ", Sq_, " (queries at positions ", S_ - Sq_,
+            " .., causal) steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check),
+        cat("MLA heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope, " qk-nope ",
+            cfg_.qk_nope, " v-head ", cfg_.v_head, " softmax scale ", cfg_.scale(),
+            " fp32; weights MlaWeights::random(seed ", kWeightSeed, ")"),
+        cat("inputs ~ N(0, 1); the outlier kinds' c_kv with ", outliers_, " channels at ",
+            kOutlierFactor, "x std (", report::join(channel_names_, ","),
+            "), aligned queries with W_UK x", kAlignFactor, " on them; PCA on ", calibration_,
+            " other tokens; err: against exact MLA; check: ", kCheckHeads, " heads per rank")};
+  }
+  uint64_t cache_bytes(const Method& m) const {  // the model's, per rank
+    return mla_cache_bytes_per_token(cfg_, m.parallel, m.opt, G_) * uint64_t(S_ * B_);
+  }
+  double cache_ratio(const Method& m) const {
+    return double(cache_bytes(m)) / double(cache_bytes(kMethods[kHeadSplit]));
+  }
+  uint64_t send_bytes(const Method& m) const {
+    return mla_decode_send_bytes(cfg_, m.parallel, B_, Sq_, G_);
+  }
+
+  MlaConfig cfg_;
+  int64_t S_ = 32768, B_ = 1, Sq_ = 1, outliers_ = 8, calibration_ = 2048;
+  EngineOptions e_;
+  int G_ = 1;
+  std::vector<int64_t> channels_;  // the outlier channels
+  std::vector<std::string> channel_names_;
+  Result results_[std::size(kMethods)];
+  uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0, byte_mismatches_ = 0;  // totals
+  double f64_max_ = 0;
 };
 
-// Runs `calls` decode steps of one method over its shard (the first `warmup` untimed; timed
-// steps only when `timed`), counting every call's bytes against the model. Returns the last
-// step's output, on the host. `what` names the run in progress lines (rank 0, long runs only).
-// w and shard are on the Runtime's device.
-Tensor run_steps(dattn::Runtime& rt, const Problem& pb, const Method& m, const MlaWeights& w,
-                 const dattn::MlaCacheShard& shard, int calls, int warmup, bool timed, Row& row,
-                 const std::string& what) {
-  const int G = rt.cp_size();
-  const uint64_t model =
-      dattn::mla_decode_send_bytes(pb.cfg, m.parallel, pb.o->batch, pb.o->new_tokens, G);
-  dattn::Progress progress(rt.rank() == 0, what, calls, "steps");
-  std::vector<double> times;
-  uint64_t sent_sum = 0, mismatches = 0;
-  Tensor out;
-  for (int it = 0; it < calls; ++it) {
-    rt.reset_counters();
-    rt.world().barrier();
-    const double t0 = MPI_Wtime();
-    out =
-        dattn::mla_decode(rt, m.parallel, pb.cfg, w, pb.q_nope_d, pb.q_pe_d, shard, pb.pos0, m.opt);
-    dattn::bench::synchronize(rt.device());  // a GPU step ends when its kernels have run
-    const double t = MPI_Wtime() - t0;
-    const uint64_t sent = rt.counters().data_bytes();
-    if (sent != model) mismatches += 1;
-    if (timed && it >= warmup) {
-      times.push_back(t);
-      sent_sum += sent;
-    }
-    progress.step();
-  }
-  row.byte_mismatches += allreduce_u64(mismatches, MPI_SUM);
-  if (timed) {
-    DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, times.data(), int(times.size()), MPI_DOUBLE,
-                                  MPI_MAX, MPI_COMM_WORLD));
-    row.times = times;
-    double total = 0;
-    for (double t : times)
-      total += t;
-    std::sort(times.begin(), times.end());
-    row.mean_ms = total / double(times.size()) * 1e3;
-    row.p50_ms = percentile(times, 50) * 1e3;
-    row.sent_kb = double(allreduce_u64(sent_sum, MPI_MAX)) / double(times.size()) / 1e3;
-    row.model_kb = double(allreduce_u64(model, MPI_MAX)) / 1e3;
-  }
-  return out.device().is_cpu() ? out : out.to_device(dattn::Device::cpu());
-}
-
-// ================================================================== report
-
-const dattn::report::Table& table() {
-  static const dattn::report::Table t({{"method", "", 10},
-                                       {"transform", "", 9},
-                                       {"rope", "", 10},
-                                       {"logits", "", 6},
-                                       {"cache", "(MiB/rank)", 10},
-                                       {"ratio", "", 6},
-                                       {"sent", "(KB/rank/step)", 14},
-                                       {"model", "(KB)", 9},
-                                       {"mean", "(ms)", 9},
-                                       {"p50", "(ms)", 9},
-                                       {"err_unif", "(rel L2)", 9},
-                                       {"max_unif", "(abs)", 9},
-                                       {"err_outl", "(rel L2)", 9},
-                                       {"max_outl", "(abs)", 9},
-                                       {"err_algn", "(rel L2)", 9},
-                                       {"max_algn", "(abs)", 9},
-                                       {"#wrong", "", 6}});
-  return t;
-}
-
-void print_row(const Row& r) {
-  using dattn::report::fixed;
-  using dattn::report::sci;
-  const Method& m = r.method;
-  table().print_row(
-      stdout,
-      {dattn::mla_parallel_name(m.parallel), dattn::latent_transform_name(m.transform),
-       m.rope_name(), m.logits_name(), fixed(double(r.cache_model_bytes) / (1024.0 * 1024.0), 2),
-       fixed(r.cache_ratio, 3), fixed(r.sent_kb, 3), fixed(r.model_kb, 3), fixed(r.mean_ms, 2),
-       fixed(r.p50_ms, 2), sci(r.acc[0].rel_l2, 2), sci(r.acc[0].max_abs, 2),
-       sci(r.acc[1].rel_l2, 2), sci(r.acc[1].max_abs, 2), sci(r.acc[2].rel_l2, 2),
-       sci(r.acc[2].max_abs, 2), std::to_string(r.wrong())});
-}
-
-std::string accuracy_json(const Accuracy& a) {
-  dattn::report::JsonObject j;
-  j.add("rel_l2", a.rel_l2).add("max_abs", a.max_abs);
-  if (a.checked) {
-    j.add("f64_checked_elements", int64_t(a.f64.checked))
-        .add("f64_wrong", int64_t(a.f64.wrong))
-        .add("f64_max_err", a.f64.max_err);
-  }
-  return j.str();
-}
-
-// The method as a strategy name for the common row keys: "head_split", "tpla-none",
-// "tpla-hadamard", "tpla-none-split-rope", ... (its label, words joined by '-').
-std::string strategy_name(const Method& m) {
-  std::string s = m.label();
-  std::replace(s.begin(), s.end(), ' ', '-');
-  return s;
-}
-
-// The common row keys (report::result_row) first, then the benchmark's own.
-std::string row_json(const Options& o, int ranks, const Row& r) {
-  dattn::report::ResultRow c;
-  c.workload = "mla";
-  c.strategy = strategy_name(r.method);
-  c.layout = "";
-  c.seq = o.context;
-  c.ranks = ranks;
-  c.time_ms = r.mean_ms;   // the mean step latency, max over ranks
-  c.tflops_per_rank = -1;  // no FLOP model for MLA decode
-  c.sent_mb_per_rank = r.sent_kb / 1e3;
-  c.model_mb_per_rank = r.model_kb / 1e3;
-  c.wrong = int64_t(r.wrong());
-  dattn::report::JsonObject j = dattn::report::result_row(c);
-  std::vector<std::string> times;
-  for (double t : r.times)
-    times.push_back(dattn::report::json_number(t * 1e3));
-  j.add("method", r.method.label())
-      .add("parallel", dattn::mla_parallel_name(r.method.parallel))
-      .add("transform", dattn::latent_transform_name(r.method.transform))
-      .add("rope", r.method.rope_name())
-      .add("scale_logits_by_g", r.method.tpla() && r.method.opt.scale_logits_by_g)
-      .add("cache_bytes_per_rank_model", int64_t(r.cache_model_bytes))
-      .add("cache_bytes_per_rank_held", int64_t(r.cache_held_bytes))
-      .add("cache_ratio_vs_head_split", r.cache_ratio)
-      .add("sent_kb_per_rank_per_step", r.sent_kb)
-      .add("model_kb_per_rank_per_step", r.model_kb)
-      .add("byte_mismatches", int64_t(r.byte_mismatches))
-      .add("mean_ms", r.mean_ms)
-      .add("p50_ms", r.p50_ms)
-      .add_raw("step_ms", dattn::report::json_array(times))
-      .add_raw("uniform_energy", accuracy_json(r.acc[0]))
-      .add_raw("outlier_channels", accuracy_json(r.acc[1]))
-      .add_raw("outlier_channels_aligned_queries", accuracy_json(r.acc[2]))
-      .add("exact_wrong", int64_t(r.exact_wrong));
-  return j.str();
-}
-
-// ================================================================== dry run
-
-// --dry-run: what each rank would hold and send, from the library's slicing (mla_shard_cache on
-// a cache of no tokens gives a rank's latent and RoPE columns) and its models
-// (mla_cache_bytes_per_token, mla_decode_send_bytes); nothing is computed. Printed by rank 0
-// only; needs no Runtime, so --world-size can plan for more ranks than the job has.
-void print_plan(const Options& o) {
-  using dattn::detail::cat;
-  using dattn::report::fixed;
-  const double start = MPI_Wtime();
-  const auto mib = [](uint64_t bytes) { return fixed(double(bytes) / (1024.0 * 1024.0), 2); };
-  const auto kb = [](uint64_t bytes) { return fixed(double(bytes) / 1e3, 3); };
-  const int G = o.launch.world;
-  MlaConfig cfg;
-  cfg.heads = o.heads;
-  cfg.latent = o.latent;
-  cfg.rope = o.rope;
-  cfg.qk_nope = o.qk_nope;
-  cfg.v_head = o.v_head;
-  cfg.validate();
-  const int64_t B = o.batch, S = o.context, Sq = o.new_tokens;
-  const uint64_t tokens = uint64_t(S * B);
-
-  std::printf("# dattn MLA decode plan (dry run, nothing computed), version %s\n", DATTN_VERSION);
-  std::printf(
-      "# world %d ranks = cp 1 x tp %d (the ranks split the heads: head_split, or the latent: "
-      "tpla); context %lld batch %lld new-tokens %lld (queries at positions %lld .., causal); "
-      "heads %lld latent %lld rope %lld qk-nope %lld v-head %lld; fp32\n",
-      G, G, static_cast<long long>(S), static_cast<long long>(B), static_cast<long long>(Sq),
-      static_cast<long long>(S - Sq), static_cast<long long>(o.heads),
-      static_cast<long long>(o.latent), static_cast<long long>(o.rope),
-      static_cast<long long>(o.qk_nope), static_cast<long long>(o.v_head));
-  std::printf(
-      "# communicators: one group of all %d ranks; per step head_split allgathers every rank's "
-      "heads of the output, tpla sum-allreduces the whole output%s\n",
-      G, G == 1 ? " (one rank: nothing is sent)" : "");
-  std::printf("# device: %s\n", dattn::device_plan(o.launch).c_str());
-  const std::vector<Method> ms = methods();
-  std::printf(
-      "# would run: %zu methods, each %d warm-up + %d timed steps on the uniform-energy latents "
-      "and 1 step on each of %d more input kinds; PCA calibrated on %lld tokens per kind; "
-      "check %d\n",
-      ms.size(), o.warmup, o.steps, kKinds - 1, static_cast<long long>(o.calibration), o.check);
-
-  // Per method: the models' cache bytes a rank holds and bytes it sends per step.
-  const dattn::report::Table mt({{"method", "", 10},
-                                 {"transform", "", 9},
-                                 {"rope", "", 10},
-                                 {"logits", "", 6},
-                                 {"cache", "(MiB/rank)", 10},
-                                 {"ratio", "", 6},
-                                 {"model", "(KB/rank/step)", 14}});
-  std::printf("# per method (the same on every rank):\n");
-  mt.print_heading(stdout);
-  const uint64_t head_split_cache =
-      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::head_split, TplaOptions{}, G) * tokens;
-  for (const Method& m : ms) {
-    const uint64_t cache = dattn::mla_cache_bytes_per_token(cfg, m.parallel, m.opt, G) * tokens;
-    const uint64_t send = dattn::mla_decode_send_bytes(cfg, m.parallel, B, Sq, G);
-    mt.print_row(stdout,
-                 {dattn::mla_parallel_name(m.parallel), dattn::latent_transform_name(m.transform),
-                  m.rope_name(), m.logits_name(), mib(cache),
-                  fixed(double(cache) / double(head_split_cache), 3), kb(send)});
-  }
-
-  // Per rank: its heads under head_split, its latent (and split RoPE) columns under tpla.
-  TplaOptions split;
-  split.rope = RopePlacement::split;
-  const Tensor no_c_kv = Tensor::empty({1, 0, cfg.latent}, dattn::DType::f32);
-  const Tensor no_k_pe = Tensor::empty({1, 0, cfg.rope}, dattn::DType::f32);
-  const uint64_t tpla_cache =
-      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::tpla, TplaOptions{}, G) * tokens;
-  const uint64_t split_cache =
-      dattn::mla_cache_bytes_per_token(cfg, MlaParallel::tpla, split, G) * tokens;
-  const uint64_t head_split_send =
-      dattn::mla_decode_send_bytes(cfg, MlaParallel::head_split, B, Sq, G);
-  const uint64_t tpla_send = dattn::mla_decode_send_bytes(cfg, MlaParallel::tpla, B, Sq, G);
-  const dattn::report::Table ranks({{"rank", "", 6},
-                                    {"heads", "(head_split)", 12},
-                                    {"latent", "(tpla)", 11},
-                                    {"rope", "(split)", 11},
-                                    {"cache_hs", "(MiB)", 10},
-                                    {"cache_tpla", "(MiB)", 10},
-                                    {"cache_split", "(MiB)", 11},
-                                    {"send_hs", "(KB/step)", 10},
-                                    {"send_tpla", "(KB/step)", 10}});
-  std::printf("# per rank (tpla's RoPE part: every column on every rank unless split):\n");
-  ranks.print_heading(stdout);
-  for (int g = 0; g < G; ++g) {
-    const int64_t h0 = g * o.heads / G, hn = (g + 1) * o.heads / G - h0;
-    const dattn::MlaCacheShard t =
-        dattn::mla_shard_cache(cfg, MlaParallel::tpla, split, no_c_kv, no_k_pe, g, G);
-    ranks.print_row(stdout,
-                    {std::to_string(g), dattn::report::index_range(h0, hn),
-                     dattn::report::index_range(t.latent_begin, t.latent_len),
-                     dattn::report::index_range(t.rope_begin, t.rope_len), mib(head_split_cache),
-                     mib(tpla_cache), mib(split_cache), kb(head_split_send), kb(tpla_send)});
-  }
-  std::printf("# planned %d ranks in %.3f s\n", G, MPI_Wtime() - start);
-  std::fflush(stdout);
-}
-
-// ================================================================== main
-
-int mla_bench(int argc, char** argv) {
-  const std::optional<Options> parsed = parse_options(argc, argv);
-  if (!parsed) return 0;
-  const Options& o = *parsed;
-  using dattn::detail::cat;
-  using dattn::report::fixed;
-  using dattn::report::sci;
-
-  if (o.launch.dry_run) {
-    if (world_rank() == 0) print_plan(o);
-    return 0;
-  }
-
-  // mla_decode runs over rt.cp() (src/mla.cpp), so the Runtime keeps its default grid, cp = all
-  // ranks and tp = 1, exactly as before; the launch options' cp 1 x tp G (the ranks split heads
-  // or the latent) only validates the options and names the grid in the plan.
-  dattn::RuntimeOptions ropts;
-  ropts.device = o.launch.dev;
-  ropts.threads = o.threads;
-  dattn::Runtime rt = dattn::Runtime::from_mpi(MPI_COMM_WORLD, ropts);
-  const int G = rt.cp_size(), r = rt.cp_rank(), T = rt.threads();
-  const bool root = rt.rank() == 0;
-  auto progress = [&](const std::string& line) {
-    if (root) {
-      std::printf("# %s\n", line.c_str());
-      std::fflush(stdout);
-    }
+std::vector<Row> Mla::run(Bench& b, const Case&) {
+  const Device dev = b.rt().device();
+  const int r = b.rt().cp_rank();
+  const int64_t H = cfg_.heads, dn = cfg_.qk_nope, dc = cfg_.latent, dr = cfg_.rope;
+  const int64_t dv = cfg_.v_head, pos0 = S_ - Sq_, h0 = r * H / G_, hn = (r + 1) * H / G_ - h0;
+  const int64_t hs = std::min(hn, kCheckHeads);
+  const auto q = [&](TensorId id, int64_t first, int64_t n, int64_t dim) {  // heads first ..
+    return fill({B_, Sq_, n, dim}, id, n, dim, pos0, first);
   };
+  // Every head on the device (the decode), this rank's (exact MLA), their first hs (the check).
+  const Tensor qn_d = on_device(q(kQNope, 0, H, dn), dev), qp_d = on_device(q(kQPe, 0, H, dr), dev);
+  const Tensor qn_mine = q(kQNope, h0, hn, dn), qp_mine = q(kQPe, h0, hn, dr);
+  const Tensor qn_smp = q(kQNope, h0, hs, dn), qp_smp = q(kQPe, h0, hs, dr);
+  MlaConfig cfg_mine = cfg_, cfg_smp = cfg_;
+  cfg_mine.heads = hn, cfg_smp.heads = hs;
+  cfg_mine.softmax_scale = cfg_smp.softmax_scale = cfg_.scale();
+  const MlaWeights w_random = MlaWeights::random(cfg_, kWeightSeed);
+  const MlaTransform hadamard = make_latent_transform(LatentTransform::hadamard, dc);
 
-  Problem pb;
-  pb.o = &o;
-  pb.cfg.heads = o.heads;
-  pb.cfg.latent = o.latent;
-  pb.cfg.rope = o.rope;
-  pb.cfg.qk_nope = o.qk_nope;
-  pb.cfg.v_head = o.v_head;
-  pb.cfg.validate();
-  const MlaConfig& cfg = pb.cfg;
-  const int64_t B = o.batch, S = o.context, Sq = o.new_tokens, H = o.heads, dc = o.latent,
-                dr = o.rope;
-  pb.pos0 = S - Sq;
-  pb.h0 = r * H / G;
-  pb.hn = (r + 1) * H / G - pb.h0;
-  const std::vector<int64_t> outliers = outlier_channels(dc, o.outliers);
+  for (int k = 0; k < int(std::size(kKinds)); ++k) {
+    std::vector<float> stds(static_cast<size_t>(dc), 1.f);
+    MlaWeights w = w_random;
+    if (k == 2) w.w_uk = w_random.w_uk.to(DType::f32);  // a copy: its outlier columns scaled
+    for (int64_t c : channels_) {
+      if (k > 0) stds[size_t(c)] = kOutlierFactor;
+      for (int64_t row = 0; k == 2 && row < H * dn; ++row)
+        w.w_uk.ptr<float>()[row * dc + c] *= kAlignFactor;
+    }
+    b.note(cat(kKinds[k].name, ": the cache (", S_, " tokens, batch ", B_, "), exact MLA, the ",
+               "transforms (PCA on ", calibration_, " latents), then each method ..."));
+    const Tensor c_kv = fill({B_, S_, dc}, kCkv, 1, dc, 0, 0, &stds);
+    const Tensor k_pe = fill({B_, S_, dr}, kKPe, 1, dr);
+    const Tensor exact =
+        mla_decode_local(cfg_mine, heads_of(w, h0, hn), qn_mine, qp_mine, c_kv, k_pe, pos0).out;
+    const MlaTransform pca = make_latent_transform(
+        LatentTransform::pca, dc, fill({calibration_, dc}, kCalibration, 1, dc, 0, 0, &stds));
+    const MlaWeights w_hadamard = fold_transform(w, hadamard), w_pca = fold_transform(w, pca);
+    const MlaTransform* transforms[] = {nullptr, &hadamard, &pca};  // by LatentTransform
+    const MlaWeights* weights[] = {&w, &w_hadamard, &w_pca};
 
-  std::string channels;
-  for (int64_t c : outliers)
-    channels += cat(channels.empty() ? "" : ",", c);
-  const auto ranks = dattn::report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), T);
-  const std::vector<std::string> config = {
-      cat("ranks (G) ", rt.size(), " (cp 1 x tp ", G, ") threads/rank ", T, " context ", S,
-          " batch ", B, " new-tokens ", Sq, " (queries at positions ", pb.pos0,
-          " .., causal) steps ", o.steps, " warmup ", o.warmup, " check ", o.check),
-      cat("MLA heads ", H, " latent ", dc, " rope ", dr, " qk-nope ", o.qk_nope, " v-head ",
-          o.v_head, " softmax scale ", cfg.scale(), " fp32; weights MlaWeights::random(seed ",
-          kWeightSeed, ")"),
-      cat("inputs: q_nope, q_pe, k_pe ~ N(0, 1); c_kv ~ N(0, 1) per channel (uniform energy) or "
-          "with ",
-          o.outliers, " outlier channels at ", kOutlierFactor, "x std (outlier channels",
-          outliers.empty() ? std::string() : cat(": ", channels), "), the latter also with W_UK x",
-          kAlignFactor, " on those channels (aligned queries: the outliers dominate the logits)"),
-      cat("PCA calibrated per kind on ", o.calibration,
-          " other tokens of that kind; reference: exact MLA (mla_decode_local on the "
-          "untransformed cache, heads split over the ranks)")};
-  if (root) {
-    dattn::report::print_header(stdout, "dattn MLA decode benchmark", config, ranks);
-    std::fflush(stdout);
-  }
-
-  // ---------------------------------------------------------------- the same on both kinds
-  const MlaWeights w_random = MlaWeights::random(cfg, kWeightSeed);
-  pb.q_nope = Tensor::empty({B, Sq, H, o.qk_nope}, dattn::DType::f32);
-  pb.q_pe = Tensor::empty({B, Sq, H, dr}, dattn::DType::f32);
-  fill(pb.q_nope, kQNope, B, Sq, H, o.qk_nope, pb.pos0);
-  fill(pb.q_pe, kQPe, B, Sq, H, dr, pb.pos0);
-  const dattn::Device dev = rt.device();
-  pb.q_nope_d = dattn::bench::on_device(pb.q_nope, dev);
-  pb.q_pe_d = dattn::bench::on_device(pb.q_pe, dev);
-  const Tensor q_nope_mine = slice_heads(pb.q_nope, pb.h0, pb.hn);
-  const Tensor q_pe_mine = slice_heads(pb.q_pe, pb.h0, pb.hn);
-  MlaConfig cfg_mine = cfg;  // this rank's heads, for the references
-  cfg_mine.heads = pb.hn;
-  cfg_mine.softmax_scale = cfg.scale();
-  const MlaTransform hadamard = dattn::make_latent_transform(LatentTransform::hadamard, dc);
-
-  std::vector<Row> rows;
-  for (const Method& m : methods()) {
-    Row row;
-    row.method = m;
-    row.cache_model_bytes =
-        dattn::mla_cache_bytes_per_token(cfg, m.parallel, m.opt, G) * uint64_t(S * B);
-    rows.push_back(row);
-  }
-  for (Row& row : rows)
-    row.cache_ratio = double(row.cache_model_bytes) / double(rows.front().cache_model_bytes);
-
-  for (int k = 0; k < kKinds; ++k) {
-    const Kind kind = Kind(k);
-    const std::vector<float> stds = channel_std(kind, dc, outliers);
-    const MlaWeights w = kind_weights(kind, w_random, outliers);
-    progress(cat(kind_name(kind), ": folding the Hadamard transform into the weights ..."));
-    const MlaWeights w_hadamard = dattn::fold_transform(w, hadamard);
-    progress(cat(kind_name(kind), ": generating the cache (", S, " tokens, batch ", B, ") and ",
-                 o.calibration, " calibration latents ..."));
-    Tensor c_kv = Tensor::empty({B, S, dc}, dattn::DType::f32);
-    Tensor k_pe = Tensor::empty({B, S, dr}, dattn::DType::f32);
-    fill(c_kv, kCkv, B, S, 1, dc, 0, &stds);
-    fill(k_pe, kKPe, B, S, 1, dr, 0);
-    Tensor calibration = Tensor::empty({o.calibration, dc}, dattn::DType::f32);
-    fill(calibration, kCalibration, 1, o.calibration, 1, dc, 0, &stds);
-
-    progress(
-        cat(kind_name(kind), ": exact MLA (mla_decode_local, ", pb.hn, " heads per rank) ..."));
-    const Tensor exact = dattn::mla_decode_local(cfg_mine, slice_weights(w, pb.h0, pb.hn),
-                                                 q_nope_mine, q_pe_mine, c_kv, k_pe, pb.pos0)
-                             .out;
-
-    progress(cat(kind_name(kind), ": PCA transform (calibration ", o.calibration,
-                 " tokens) and its folded weights ..."));
-    const MlaTransform pca = dattn::make_latent_transform(LatentTransform::pca, dc, calibration);
-    calibration = Tensor();
-    const MlaWeights w_pca = dattn::fold_transform(w, pca);
-
-    for (Row& row : rows) {
-      const Method& m = row.method;
-      const bool timed = kind == Kind::uniform;
-      const int calls = timed ? o.warmup + o.steps : 1;
-      progress(cat(kind_name(kind), ": ", m.label(),
-                   timed ? cat(", ", o.warmup, " warm-up + ", o.steps, " timed steps ...")
-                         : std::string(", 1 step ...")));
-      const MlaTransform* t = m.transform == LatentTransform::hadamard ? &hadamard
-                              : m.transform == LatentTransform::pca    ? &pca
-                                                                       : nullptr;
-      const MlaWeights& wm = m.transform == LatentTransform::hadamard ? w_hadamard
-                             : m.transform == LatentTransform::pca    ? w_pca
-                                                                      : w;
-      dattn::MlaCacheShard shard;
+    for (size_t i = 0; i < std::size(kMethods); ++i) {
+      const Method& m = kMethods[i];
+      Result& res = results_[i];
+      const MlaTransform* t = transforms[int(m.transform)];
+      const MlaWeights& wm = *weights[int(m.transform)];
+      MlaCacheShard shard;
       std::vector<double> f64;
-      {
-        const Tensor c_t = t ? dattn::apply_transform(*t, c_kv) : c_kv;
-        if (o.check) {
-          // The float64 rule of this method on this rank's heads: TPLA's per-slice rule at G
-          // slices; exact MLA (one slice) for head split.
-          TplaOptions opt = m.tpla() ? m.opt : TplaOptions{};
-          f64 = dattn::tpla_reference(cfg_mine, slice_weights(wm, pb.h0, pb.hn), q_nope_mine,
-                                      q_pe_mine, c_t, k_pe, pb.pos0, m.tpla() ? G : 1, opt);
+      {  // the full transformed cache lives here only (a TPLA shard copies its columns)
+        const Tensor c_t = t ? apply_transform(*t, c_kv) : c_kv;
+        if (e_.check)  // TPLA's per-slice rule at G slices; exact MLA (one slice) for head split
+          f64 = tpla_reference(cfg_smp, heads_of(wm, h0, hs), qn_smp, qp_smp, c_t, k_pe, pos0,
+                               m.tpla() ? G_ : 1, m.opt);
+        shard = mla_shard_cache(cfg_, m.parallel, m.opt, c_t, k_pe, r, G_);
+      }
+      res.cache_held = allreduce_max(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()));
+      const MlaWeights wm_d{on_device(wm.w_uk, dev), on_device(wm.w_uv, dev)};
+      shard.c_kv = on_device(shard.c_kv, dev), shard.k_pe = on_device(shard.k_pe, dev);
+      Tensor out;
+      TimedCall call;
+      call.call = [&] {
+        out = mla_decode(b.rt(), m.parallel, cfg_, wm_d, qn_d, qp_d, shard, pos0, m.opt);
+        synchronize(dev);  // a GPU step ends when its kernels have run
+      };
+      call.model_bytes = [&] { return send_bytes(m); };
+      call.unit = "steps";
+      if (k > 0) call.warmup = 0, call.iters = 1;  // the other kinds: one step, bytes checked
+      const Timing tm = b.time(cat("mla ", kKinds[k].name, ": ", m.label), call);
+      if (k == 0) res.t = tm;
+      res.byte_mismatches += tm.byte_mismatches;
+      if (!out.device().is_cpu()) out = out.to_device(Device::cpu());
+
+      // This rank's heads of out against exact MLA, their first hs against the float64 rule.
+      Accuracy& a = res.acc[k];
+      double s[2] = {0, 0};  // the sums of (out - exact)^2 and of exact^2
+      for (int64_t row = 0; row < B_ * Sq_; ++row)
+        for (int64_t j = 0; j < hn * dv; ++j) {
+          const double got = out.ptr<float>()[(row * H + h0) * dv + j];
+          const double ref = exact.ptr<float>()[row * hn * dv + j], diff = got - ref;
+          s[0] += diff * diff, s[1] += ref * ref;
+          a.max_abs = std::max(a.max_abs, std::isfinite(diff) ? std::abs(diff) : INFINITY);
+          if (e_.check && j < hs * dv) a.f64.compare(got, f64[size_t(row * hs * dv + j)], kTol);
         }
-        shard = dattn::mla_shard_cache(cfg, m.parallel, m.opt, c_t, k_pe, r, G);
-      }  // the full transformed cache goes here (a TPLA shard holds copies of its columns)
-      row.cache_held_bytes =
-          allreduce_u64(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()), MPI_MAX);
-      const MlaWeights wm_d{dattn::bench::on_device(wm.w_uk, dev),
-                            dattn::bench::on_device(wm.w_uv, dev)};
-      dattn::MlaCacheShard shard_d = shard;
-      shard_d.c_kv = dattn::bench::on_device(shard.c_kv, dev);
-      shard_d.k_pe = dattn::bench::on_device(shard.k_pe, dev);
-      const Tensor out = run_steps(rt, pb, m, wm_d, shard_d, calls, o.warmup, timed, row,
-                                   cat("mla ", kind_name(kind), ": ", m.label()));
-      compare_exact(out, exact, pb.h0, pb.hn, row.acc[k]);
-      if (o.check) compare_f64(out, f64, pb.h0, pb.hn, row.acc[k]);
-      if ((!m.tpla() || G == 1) && !(row.acc[k].rel_l2 <= kExactRelTol)) row.exact_wrong += 1;
+      DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+      a.rel_l2 = std::sqrt(s[1] > 0 ? s[0] / s[1] : s[0]), a.max_abs = allreduce_max(a.max_abs);
+      a.f64 = a.f64.reduced(), res.f64_wrong += a.f64.wrong;
+      f64_max_ = std::max(f64_max_, a.f64.max_err);
+      if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) res.exact_wrong += 1;
     }
   }
 
-  // ---------------------------------------------------------------- table
-  if (root) {
-    std::printf(
-        "# MLA decode over %d ranks, context %lld: one row per method; err = the output "
-        "against exact MLA\n",
-        G, static_cast<long long>(S));
-    table().print_heading(stdout);
-    for (const Row& row : rows)
-      print_row(row);
-    std::fflush(stdout);
+  std::vector<Row> rows(std::size(kMethods));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Method& m = kMethods[i];
+    const Result& res = results_[i];
+    const uint64_t cache = cache_bytes(m);
+    Row& row = rows[i];
+    report::ResultRow& c = row.result;
+    c.workload = "mla", c.strategy = m.label, c.seq = S_, c.ranks = G_;
+    std::replace(c.strategy.begin(), c.strategy.end(), ' ', '-');  // "tpla-none-split-rope"
+    c.time_ms = res.t.step_mean_ms;
+    c.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong);
+    exact_wrong_ += res.exact_wrong, cache_wrong_ += res.cache_held != cache;
+    f64_wrong_ += res.f64_wrong, byte_mismatches_ += res.byte_mismatches;
+    row.take_bytes(res.t);
+    row.byte_mismatches = res.byte_mismatches;
+    const double sent_kb = res.t.sent_mb * 1e3, model_kb = res.t.model_mb * 1e3;
+    row.cells = method_cells(m, cache, cache_ratio(m));
+    row.cells.insert(row.cells.end(), {fixed(sent_kb, 3), fixed(model_kb, 3),
+                                       fixed(res.t.step_mean_ms, 2), fixed(res.t.p50_ms, 2)});
+    for (const Accuracy& a : res.acc)
+      row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
+    row.cells.push_back(wrong_cell(row));
+    std::vector<std::string> steps;
+    for (double t : res.t.step_ms)
+      steps.push_back(report::json_number(t));
+    report::JsonObject& x = row.extra;
+    x.add("method", m.label).add("parallel", mla_parallel_name(m.parallel));
+    x.add("transform", latent_transform_name(m.transform)).add("rope", m.rope());
+    x.add("scale_logits_by_g", m.opt.scale_logits_by_g)
+        .add("cache_bytes_per_rank_model", int64_t(cache));
+    x.add("cache_bytes_per_rank_held", int64_t(res.cache_held));
+    x.add("cache_ratio_vs_head_split", cache_ratio(m));
+    x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
+    x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
+    x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_array(steps));
+    for (int k = 0; k < int(std::size(kKinds)); ++k)
+      x.add_raw(kKinds[k].key, res.acc[k].json());
+    x.add("exact_wrong", int64_t(res.exact_wrong));
   }
+  return rows;
+}
 
-  // ---------------------------------------------------------------- footer
-  uint64_t wrong = 0, byte_mismatches = 0, exact_wrong = 0, cache_wrong = 0, f64_wrong = 0;
-  double f64_max_err = 0;
-  for (const Row& row : rows) {
-    wrong += row.wrong();
-    byte_mismatches += row.byte_mismatches;
-    exact_wrong += row.exact_wrong;
-    cache_wrong += row.cache_wrong();
-    for (const Accuracy& a : row.acc) {
-      f64_wrong += a.f64.wrong;
-      f64_max_err = std::max(f64_max_err, a.f64.max_err);
-    }
-  }
-  const Row& head_split = rows[0];
-  const Row& tpla_none = rows[1];
-  const Row& tpla_hadamard = rows[2];
-  const Row& tpla_pca = rows[3];
-  const double cache_ratio = tpla_none.cache_ratio;
-  const double cache_target = (double(dc) / 4 + double(dr)) / double(dc + dr);
-  const bool cache_target_run = G == 4;
-  const bool cache_met = cache_ratio <= cache_target + 1e-12;
-  const double outl_none = tpla_none.acc[1].rel_l2, outl_hadamard = tpla_hadamard.acc[1].rel_l2;
-  const bool outlier_met = outl_hadamard < outl_none;
-  const double algn_none = tpla_none.acc[2].rel_l2, algn_hadamard = tpla_hadamard.acc[2].rel_l2;
-  const bool aligned_met = algn_hadamard < algn_none;
-
-  if (root) {
-    using dattn::report::print_footer_line;
-    print_footer_line(stdout, "Out of bounds values",
-                      std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
-    print_footer_line(stdout, "Byte model mismatches",
-                      cat(byte_mismatches,
-                          " ((rank, step) pairs whose counted bytes differ from "
-                          "mla_decode_send_bytes)"));
-    print_footer_line(stdout, "Cache model mismatches",
-                      cat(cache_wrong,
-                          " (methods whose shard holds other than mla_cache_bytes_per_token * "
-                          "context * batch)"));
-    print_footer_line(
+void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
+  if (b.root()) {
+    report::print_footer_line(stdout, "Cache model mismatches",
+                              cat(cache_wrong_, " (shards that hold other than ",
+                                  "mla_cache_bytes_per_token * context * batch)"));
+    report::print_footer_line(
         stdout, "Not exact",
-        cat(exact_wrong, " (head_split", G == 1 ? " and every tpla row" : "",
+        cat(exact_wrong_, " (head_split", G_ == 1 ? " and every tpla row" : "",
             ", per input kind, over ", sci(kExactRelTol, 0), " relative L2 from exact MLA)"));
-    std::printf(
-        "# Check: cache = mla_cache_bytes_per_token * context * batch per rank (ratio: over\n"
-        "#   head_split's); the shard each rank holds (c_kv + k_pe, max over ranks) must equal "
-        "it.\n"
-        "# Check: latency = per step, the max over ranks of the wall time of dattn::mla_decode\n"
-        "#   (after a barrier), over %d timed steps after %d warm-up, on the uniform-energy\n"
-        "#   latents; p50 is nearest-rank. sent = bytes the communicators counted (every op but\n"
-        "#   \"control\", the validation) per rank per timed step, max over ranks (1 KB = 1e3 B);\n"
-        "#   every step of every rank (and the outlier kind's step) must equal\n"
-        "#   mla_decode_send_bytes, else #wrong.\n"
-        "# Check: err = ||out - exact|| / ||exact|| and max |out - exact| over all of out, where\n"
-        "#   exact = mla_decode_local on the full untransformed cache (one per input kind); the\n"
-        "#   transforms are folded into the weights (fold_transform) and applied to the cache\n"
-        "#   (apply_transform) before sharding. head_split%s must be within %g\n"
-        "#   relative L2, else #wrong.\n",
-        o.steps, o.warmup, G == 1 ? " and, at G = 1, every tpla row" : "", kExactRelTol);
-    if (o.check) {
-      std::printf(
-          "# Check: with -k 1 every element of every method's output on both kinds against the\n"
-          "#   float64 reference of its own rule (tpla_reference at G slices; exact MLA for\n"
-          "#   head_split) within %g + %g*|ref|; in #wrong.\n",
-          kTolAbs, kTolRel);
-      print_footer_line(stdout, "vs float64",
-                        cat(f64_wrong, " wrong; max |err| ", sci(f64_max_err, 2)));
-    }
-    std::printf(
-        "# cache bytes per rank: tpla/head_split = %s (target <= 0.33 at G = 4: "
-        "(%lld/4+%lld)/%lld = %s)%s; split rope %s\n",
-        fixed(cache_ratio, 3).c_str(), static_cast<long long>(dc), static_cast<long long>(dr),
-        static_cast<long long>(dc + dr), fixed(cache_target, 3).c_str(),
-        !cache_target_run ? " (this run is not G = 4)"
-        : cache_met       ? ": met"
-                          : ": NOT met",
-        fixed(rows[4].cache_ratio, 3).c_str());
-    std::printf(
-        "# outlier latents: tpla rel err none %s, hadamard %s (target: hadamard < none)%s; "
-        "pca %s\n",
-        sci(outl_none, 1).c_str(), sci(outl_hadamard, 1).c_str(),
-        G == 1        ? " (G = 1: every row is exact MLA)"
-        : outlier_met ? ": met"
-                      : ": NOT met",
-        sci(tpla_pca.acc[1].rel_l2, 1).c_str());
-    std::printf(
-        "# outlier latents, aligned queries (outliers dominate the logits): tpla rel err none "
-        "%s, hadamard %s (target: hadamard < none)%s; pca %s\n",
-        sci(algn_none, 1).c_str(), sci(algn_hadamard, 1).c_str(),
-        G == 1        ? " (G = 1: every row is exact MLA)"
-        : aligned_met ? ": met"
-                      : ": NOT met",
-        sci(tpla_pca.acc[2].rel_l2, 1).c_str());
-    std::printf(
-        "# uniform latents: tpla rel err none %s, hadamard %s, pca %s; split rope %s, "
-        "hadamard logit-scale-G %s (outliers: %s, %s)\n",
-        sci(tpla_none.acc[0].rel_l2, 1).c_str(), sci(tpla_hadamard.acc[0].rel_l2, 1).c_str(),
-        sci(tpla_pca.acc[0].rel_l2, 1).c_str(), sci(rows[4].acc[0].rel_l2, 1).c_str(),
-        sci(rows[5].acc[0].rel_l2, 1).c_str(), sci(rows[4].acc[1].rel_l2, 1).c_str(),
-        sci(rows[5].acc[1].rel_l2, 1).c_str());
-    std::string times;
-    for (const Row& row : rows)
-      times += cat(times.empty() ? "" : ", ", row.method.label(), " ", fixed(row.mean_ms, 2), "/",
-                   fixed(row.p50_ms, 2));
-    std::printf("# step latency mean/p50 (ms, max over ranks): %s\n", times.c_str());
-    std::printf("# tpla none / head_split latency %s (mean), bytes/step %s\n",
-                fixed(tpla_none.mean_ms / head_split.mean_ms, 2).c_str(),
-                head_split.sent_kb > 0 ? fixed(tpla_none.sent_kb / head_split.sent_kb, 2).c_str()
-                                       : "n/a (nothing sent)");
-    std::fflush(stdout);
-
-    if (!o.json.empty()) {
-      std::vector<std::string> jchannels;
-      for (int64_t c : outliers)
-        jchannels.push_back(std::to_string(c));
-      dattn::report::JsonObject jc;
-      jc.add("program", "dattn-mla-bench")
-          .add("version", DATTN_VERSION)
-          .add("ranks", rt.size())
-          .add("threads_per_rank", T)
-          .add("context", S)
-          .add("batch", B)
-          .add("new_tokens", Sq)
-          .add("q_pos0", pb.pos0)
-          .add("mask", "causal")
-          .add("steps", o.steps)
-          .add("warmup", o.warmup)
-          .add("heads", H)
-          .add("latent", dc)
-          .add("rope", dr)
-          .add("qk_nope", o.qk_nope)
-          .add("v_head", o.v_head)
-          .add("softmax_scale", double(cfg.scale()))
-          .add("weight_seed", int64_t(kWeightSeed))
-          .add("outliers", o.outliers)
-          .add("outlier_std_factor", double(kOutlierFactor))
-          .add_raw("outlier_channels", dattn::report::json_array(jchannels))
-          .add("calibration", o.calibration)
-          .add("check", o.check == 1)
-          .add("with_cuda", bool(DATTN_WITH_CUDA))
-          .add("with_nccl", bool(DATTN_WITH_NCCL));
-      std::vector<std::string> jrows;
-      for (const Row& row : rows)
-        jrows.push_back(row_json(o, rt.size(), row));
-      dattn::report::JsonObject jcache;
-      jcache.add("tpla_over_head_split", cache_ratio)
-          .add("split_rope_over_head_split", rows[4].cache_ratio)
-          .add("target_at_4_ranks", cache_target)
-          .add("this_run_is_target", cache_target_run);
-      if (cache_target_run) jcache.add("met", cache_met);
-      dattn::report::JsonObject jout;
-      jout.add("tpla_none_rel_err", outl_none)
-          .add("tpla_hadamard_rel_err", outl_hadamard)
-          .add("tpla_pca_rel_err", tpla_pca.acc[1].rel_l2)
-          .add("target", "hadamard < none");
-      if (G > 1) jout.add("met", outlier_met);
-      jout.add("aligned_tpla_none_rel_err", algn_none)
-          .add("aligned_tpla_hadamard_rel_err", algn_hadamard)
-          .add("aligned_tpla_pca_rel_err", tpla_pca.acc[2].rel_l2);
-      if (G > 1) jout.add("aligned_met", aligned_met);
-      dattn::report::JsonObject top;
-      top.add_raw("config", jc.str())
-          .add_raw("rows", dattn::report::json_array(jrows))
-          .add_raw("cache_target", jcache.str())
-          .add_raw("outlier_target", jout.str())
-          .add("tpla_none_over_head_split_latency", tpla_none.mean_ms / head_split.mean_ms)
-          .add("byte_mismatches", int64_t(byte_mismatches))
-          .add("cache_mismatches", int64_t(cache_wrong))
-          .add("exact_wrong", int64_t(exact_wrong))
-          .add("f64_wrong", int64_t(f64_wrong))
-          .add("wrong", int64_t(wrong));
-      dattn::report::write_text_file(o.json, top.str());
-    }
+    if (e_.check)
+      report::print_footer_line(
+          stdout, "vs float64",
+          cat(f64_wrong_, " wrong (", kCheckHeads, " heads per rank, within ", kTol.abs, " + ",
+              kTol.rel, "*|ref| of its rule); max |err| ", sci(f64_max_, 2)));
   }
-  return wrong > 0 ? 1 : 0;
+  const auto err = [&](size_t m, int k) { return results_[m].acc[k].rel_l2; };
+  const double dc = double(cfg_.latent), dr = double(cfg_.rope);
+  const double target = (dc / 4 + dr) / (dc + dr), ratio = cache_ratio(kMethods[kNone]);
+  const double split = cache_ratio(kMethods[kSplitRope]);
+  const bool cache_met = ratio <= target + 1e-12;
+  b.note(cat("cache bytes per rank: tpla/head_split = ", fixed(ratio, 3),
+             " (target <= 0.33 at G = 4: (", dc, "/4+", dr, ")/", dc + dr, " = ", fixed(target, 3),
+             ")",
+             G_ != 4     ? " (this run is not G = 4)"
+             : cache_met ? ": met"
+                         : ": NOT met",
+             "; split rope ", fixed(split, 3)));
+  report::JsonObject jcache, jout;
+  jcache.add("tpla_over_head_split", ratio).add("split_rope_over_head_split", split);
+  jcache.add("target_at_4_ranks", target).add("this_run_is_target", G_ == 4);
+  if (G_ == 4) jcache.add("met", cache_met);
+  for (int k : {1, 2}) {  // the outlier kinds' target: hadamard < none
+    const bool met = err(kHadamard, k) < err(kNone, k);
+    b.note(cat(k == 1 ? "outlier latents" : "outlier latents, aligned queries (outliers dominate",
+               k == 1 ? "" : " the logits)", ": tpla rel err none ", sci(err(kNone, k), 1),
+               ", hadamard ", sci(err(kHadamard, k), 1), " (target: hadamard < none)",
+               G_ == 1 ? " (G = 1: every row is exact MLA)"
+               : met   ? ": met"
+                       : ": NOT met",
+               "; pca ", sci(err(kPca, k), 1)));
+    const std::string p = k == 1 ? "" : "aligned_";
+    jout.add(p + "tpla_none_rel_err", err(kNone, k));
+    jout.add(p + "tpla_hadamard_rel_err", err(kHadamard, k))
+        .add(p + "tpla_pca_rel_err", err(kPca, k));
+    if (k == 1) jout.add("target", "hadamard < none");
+    if (G_ > 1) jout.add(p + "met", met);
+  }
+  const Timing &hs = results_[kHeadSplit].t, &none = results_[kNone].t;
+  b.note(cat("tpla none / head_split latency ", fixed(none.step_mean_ms / hs.step_mean_ms, 2),
+             " (mean), bytes/step ",
+             hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
+  top.add_raw("cache_target", jcache.str()).add_raw("outlier_target", jout.str());
+  top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
+  top.add("byte_mismatches", int64_t(byte_mismatches_));
+  top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
+  top.add("f64_wrong", int64_t(f64_wrong_));
+}
+
+// --dry-run: what each rank would hold and send, from the models and the library's slicing
+// (mla_shard_cache on a cache of no tokens gives a rank's latent and RoPE columns).
+void Mla::plan(Plan& p) const {
+  p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_,
+             ": head_split splits the heads (an allgather ",
+             "of them per step), tpla the latent (a sum-allreduce of the output); device ",
+             device_plan(p.opts().launch)));
+  for (const std::string& line : shape_lines())
+    p.line(line);
+  std::vector<report::Column> cols = kMethodColumns;
+  cols.push_back({"model", "(KB/rank/step)", 14});
+  p.table(cols);
+  for (const Method& m : kMethods) {
+    std::vector<std::string> cells = method_cells(m, cache_bytes(m), cache_ratio(m));
+    cells.push_back(fixed(double(send_bytes(m)) / 1e3, 3));
+    p.row(cells);
+  }
+  p.line("per rank: its heads under head_split, its latent and (split) RoPE columns under tpla");
+  p.table({{"rank", "", 6},
+           {"heads", "(head_split)", 12},
+           {"latent", "(tpla)", 11},
+           {"rope", "(split)", 11}});
+  const Tensor no_c_kv = Tensor::empty({1, 0, cfg_.latent}, DType::f32);
+  const Tensor no_k_pe = Tensor::empty({1, 0, cfg_.rope}, DType::f32);
+  p.for_shown(G_, [&](int g) {
+    const MlaCacheShard t =
+        mla_shard_cache(cfg_, MlaParallel::tpla, kMethods[kSplitRope].opt, no_c_kv, no_k_pe, g, G_);
+    p.row({std::to_string(g), report::index_range(g * cfg_.heads / G_, cfg_.heads / G_),
+           report::index_range(t.latent_begin, t.latent_len),
+           report::index_range(t.rope_begin, t.rope_len)});
+  });
 }
 
 }  // namespace
 
-namespace dattn::bench {
-int mla_main(int argc, char** argv) {
-  return mla_bench(argc, argv);
+std::unique_ptr<Workload> make_mla_workload() {
+  return std::make_unique<Mla>();
 }
+
 }  // namespace dattn::bench

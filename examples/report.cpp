@@ -209,12 +209,29 @@ JsonObject& JsonObject::add(const std::string& key, bool value) {
   return add_raw(key, value ? "true" : "false");
 }
 
+JsonObject& JsonObject::add_all(const JsonObject& other) {
+  members_.insert(members_.end(), other.members_.begin(), other.members_.end());
+  return *this;
+}
+
 std::string JsonObject::str() const {
   std::string out = "{";
   for (size_t i = 0; i < members_.size(); ++i) {
     out += (i ? ", " : "") + json_string(members_[i].first) + ": " + members_[i].second;
   }
   return out + "}";
+}
+
+std::string JsonObject::words() const {
+  std::string out;
+  for (const auto& [key, value] : members_) {
+    std::string k = key;
+    std::replace(k.begin(), k.end(), '_', '-');
+    const bool quoted = value.size() >= 2 && value.front() == '"';
+    out +=
+        (out.empty() ? "" : " ") + k + " " + (quoted ? value.substr(1, value.size() - 2) : value);
+  }
+  return out;
 }
 
 JsonObject result_row(const ResultRow& r) {

@@ -94,6 +94,11 @@ class JsonObject {
   JsonObject& add(const std::string& key, int64_t value);
   JsonObject& add(const std::string& key, int value) { return add(key, int64_t(value)); }
   JsonObject& add(const std::string& key, bool value);
+  JsonObject& add_all(const JsonObject& other);  // other's members, in their order
+  bool empty() const { return members_.empty(); }
+  // "key value key value ...": the members for a header line (keys with '-' for '_', strings
+  // without their quotes).
+  std::string words() const;
   std::string str() const;
 
  private:

@@ -3,21 +3,24 @@
 
 namespace dattn::bench {
 
-const std::vector<Workload>& workloads() {
-  static const std::vector<Workload> all = {
+const std::vector<WorkloadEntry>& workloads() {
+  static const std::vector<WorkloadEntry> all = {
       {"prefill", "dattn-prefill-bench",
-       "distributed prefill: ring, ulysses or hybrid over any layout and mask", prefill_main},
+       "distributed prefill: ring, ulysses or hybrid over any layout and mask",
+       make_prefill_workload},
       {"decode", "dattn-decode-bench", "decoding over a sharded KV cache: tree, ring or allgather",
-       decode_main},
-      {"star", "dattn-star-bench", "star attention: blockwise phase 1, then decoding", star_main},
-      {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", mla_main},
-      {"kernel", "dattn-kernel-bench", "the CPU kernel against sgemm, one process", kernel_main},
+       make_decode_workload},
+      {"star", "dattn-star-bench", "star attention: blockwise phase 1, then decoding",
+       make_star_workload},
+      {"mla", "dattn-mla-bench", "MLA decode: head split against TPLA", make_mla_workload},
+      {"kernel", "dattn-kernel-bench", "the CPU kernel against sgemm, one process",
+       make_kernel_workload},
   };
   return all;
 }
 
-const Workload* find_workload(const std::string& name) {
-  for (const Workload& w : workloads())
+const WorkloadEntry* find_workload(const std::string& name) {
+  for (const WorkloadEntry& w : workloads())
     if (name == w.name) return &w;
   return nullptr;
 }

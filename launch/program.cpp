@@ -40,9 +40,11 @@ std::string error_message(const boost::program_options::error& e,
 
 void parse_command_line(int argc, char** argv,
                         const boost::program_options::options_description& desc,
-                        boost::program_options::variables_map& vm) {
+                        boost::program_options::variables_map& vm,
+                        const std::vector<std::string>& first) {
   namespace po = boost::program_options;
   try {
+    if (!first.empty()) po::store(po::command_line_parser(first).options(desc).run(), vm);
     po::store(po::command_line_parser(argc, argv).options(desc).positional({}).run(), vm);
   } catch (const po::error& e) {
     throw UsageError(error_message(e, std::vector<std::string>(argv, argv + argc)));

@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "src/base/error.h"
 
@@ -20,10 +21,13 @@ class UsageError : public std::runtime_error {
 
 // Parses argv against desc into vm, then the file of --config (when desc has that option and it
 // was given) against the same desc: the command line wins over the file. Boost's errors (an
-// unknown option or key, a bad value, a stray positional word) become a UsageError.
+// unknown option or key, a bad value, a stray positional word) become a UsageError. The
+// arguments `first`, when given, are stored before argv and win over it (the benchmark engine's
+// --compare reruns set one option this way).
 void parse_command_line(int argc, char** argv,
                         const boost::program_options::options_description& desc,
-                        boost::program_options::variables_map& vm);
+                        boost::program_options::variables_map& vm,
+                        const std::vector<std::string>& first = {});
 
 // Throws UsageError "invalid OPTION = VALUE: expected EXPECTED" unless ok.
 template <typename T>

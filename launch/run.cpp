@@ -37,7 +37,7 @@ int run(int argc, char** argv) {
     }
     return 0;
   }
-  const dattn::bench::Workload* w = dattn::bench::find_workload(word);
+  const dattn::bench::WorkloadEntry* w = dattn::bench::find_workload(word);
   if (!w) {
     std::string names;
     for (const auto& x : dattn::bench::workloads())
@@ -46,7 +46,7 @@ int run(int argc, char** argv) {
                                 ? "missing WORKLOAD: expected one of " + names
                                 : "invalid WORKLOAD = " + word + ": expected one of " + names);
   }
-  return w->main(argc - 1, argv + 1);
+  return dattn::bench::run_workload(*w, argc - 1, argv + 1);
 }
 
 }  // namespace

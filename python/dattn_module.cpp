@@ -7,7 +7,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
 #include <memory>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -107,7 +109,9 @@ void finalize() {
 // (array, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
 // 16-bit patterns in a uint16/int16 array, as numpy has no bfloat16).
 dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
-  if (t.size() != 2) DATTN_THROW("internal error: ", name, " is not an (array, dtype) pair");
+  if (t.size() != 2)
+    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: ", name,
+                     " is not an (array, dtype) pair");
   py::array a = t[0].cast<py::array>();
   const std::string dtype = t[1].cast<std::string>();
   if (dtype != "fp32" && dtype != "fp16" && dtype != "bf16")  // what the package could not take
@@ -136,7 +140,8 @@ dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
 
 // A numpy float32 array over an fp32 result tensor, sharing its storage (no copy).
 py::array to_numpy(dattn::Tensor t) {
-  if (t.dtype() != dattn::DType::f32) DATTN_THROW("internal error: a result is not fp32");
+  if (t.dtype() != dattn::DType::f32)
+    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
   std::vector<py::ssize_t> shape, strides;
   py::ssize_t stride = sizeof(float);
   for (int d = t.dim() - 1; d >= 0; --d) {
@@ -187,7 +192,7 @@ Options options_from(const py::dict& d) {
     else if (k == "stripe_block")
       o.stripe_block = value.cast<int64_t>();
     else
-      DATTN_THROW("internal error: unknown option '", k, "'");
+      DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: unknown option '", k, "'");
   }
   return o;
 }
@@ -244,10 +249,10 @@ uint64_t hash_string(uint64_t h, const std::string& s) {
 }
 
 // Checks and converts a distributed call's arguments so that the ranks agree: a bad argument on
-// one rank raises the same ValueError on every rank instead of leaving the others waiting. The
-// global sequence is the sum of the ranks' shard lengths (one small allreduce); the attention
-// call's own check then says which rank holds the wrong number of tokens. `more` converts the
-// backward's extra arguments inside the same agreement.
+// one rank raises the same dattn.InvalidArgumentError on every rank instead of leaving the others
+// waiting. The global sequence is the sum of the ranks' shard lengths (one small allreduce); the
+// attention call's own check then says which rank holds the wrong number of tokens. `more`
+// converts the backward's extra arguments inside the same agreement.
 template <typename More>
 Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k,
                         const py::tuple& v, More&& more) {
@@ -363,15 +368,58 @@ void allreduce_sum(py::array_t<double, py::array::c_style> a) {
   DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data, int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
 }
 
+// ---------------------------------------------------------------- exceptions
+
+// The Python class of each dattn::ErrorKind, made by add_error_classes; held for the process.
+PyObject* g_error_class[dattn::kErrorKinds] = {};
+
+// dattn.Error, the base of every error the library raises, and one subclass per ErrorKind that
+// also derives from the builtin exception a Python caller expects (`except ValueError` catches a
+// bad argument, `except MemoryError` an allocation that failed); each class's `kind` is the
+// kind's name ("invalid argument", "out of memory", ...).
+void add_error_classes(py::module_& m) {
+  PyObject* base = PyErr_NewExceptionWithDoc(
+      "dattn.Error", "An error from dattn; e.kind names its kind, str(e) says what and where.",
+      PyExc_Exception, nullptr);
+  if (base == nullptr) throw py::error_already_set();
+  m.attr("Error") = py::reinterpret_steal<py::object>(base);
+  const struct {
+    dattn::ErrorKind kind;
+    const char* name;
+    PyObject* builtin;
+  } classes[] = {
+      {dattn::ErrorKind::invalid_argument, "InvalidArgumentError", PyExc_ValueError},
+      {dattn::ErrorKind::mpi, "MPIError", PyExc_RuntimeError},
+      {dattn::ErrorKind::cuda, "CUDAError", PyExc_RuntimeError},
+      {dattn::ErrorKind::nccl, "NCCLError", PyExc_RuntimeError},
+      {dattn::ErrorKind::out_of_memory, "OutOfMemoryError", PyExc_MemoryError},
+      {dattn::ErrorKind::timeout, "TimeoutError", PyExc_TimeoutError},
+      {dattn::ErrorKind::internal, "InternalError", PyExc_RuntimeError},
+  };
+  static_assert(std::size(classes) == dattn::kErrorKinds, "a class for every kind");
+  for (const auto& c : classes) {
+    const py::tuple bases = py::make_tuple(m.attr("Error"), py::handle(c.builtin));
+    py::dict attrs;
+    attrs["kind"] = dattn::error_kind_name(c.kind);
+    PyObject* cls = PyErr_NewException(cat("dattn.", c.name).c_str(), bases.ptr(), attrs.ptr());
+    if (cls == nullptr) throw py::error_already_set();
+    g_error_class[int(c.kind)] = cls;
+    m.attr(c.name) = py::handle(cls);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dattn's compiled core; use the dattn package, not this module.";
+  add_error_classes(m);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const dattn::Error& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      PyErr_SetString(g_error_class[int(e.kind())], e.what());
+    } catch (const std::bad_alloc&) {
+      PyErr_SetString(g_error_class[int(dattn::ErrorKind::out_of_memory)], "out of memory");
     }
   });
   init_mpi();

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <new>
 #include <optional>
 #include <string>
@@ -27,14 +28,22 @@ using dattn::detail::cat;
 // The message of this thread's last call ("" after a success).
 thread_local std::string t_last_error;
 
-// Which status a dattn::Error stands for. The library has one exception type; MPI failures and
-// broken invariants are told apart by the fixed words their macros write (DATTN_MPI_CHECK,
-// DATTN_ASSERT), also when validation relays another rank's message.
-dattn_status status_of(const std::string& message) {
-  if (message.find("MPI call failed") != std::string::npos) return DATTN_ERROR_MPI;
-  if (message.find("internal error") != std::string::npos) return DATTN_ERROR_INTERNAL;
-  if (message.find("out of memory") != std::string::npos) return DATTN_ERROR_OUT_OF_MEMORY;
-  return DATTN_ERROR_INVALID_ARGUMENT;
+// The status of each kind of dattn::Error, and the other way round (dattn_status_name).
+constexpr std::pair<dattn::ErrorKind, dattn_status> kStatusOfKind[] = {
+    {dattn::ErrorKind::invalid_argument, DATTN_ERROR_INVALID_ARGUMENT},
+    {dattn::ErrorKind::mpi, DATTN_ERROR_MPI},
+    {dattn::ErrorKind::cuda, DATTN_ERROR_CUDA},
+    {dattn::ErrorKind::nccl, DATTN_ERROR_NCCL},
+    {dattn::ErrorKind::out_of_memory, DATTN_ERROR_OUT_OF_MEMORY},
+    {dattn::ErrorKind::timeout, DATTN_ERROR_TIMEOUT},
+    {dattn::ErrorKind::internal, DATTN_ERROR_INTERNAL},
+};
+static_assert(std::size(kStatusOfKind) == dattn::kErrorKinds, "a status for every kind");
+
+dattn_status status_of(dattn::ErrorKind kind) {
+  for (const auto& [k, status] : kStatusOfKind)
+    if (k == kind) return status;
+  return DATTN_ERROR_INTERNAL;
 }
 
 // The integer a C caller stored in an enum field or passed as an enum argument. C lets any int
@@ -60,7 +69,7 @@ dattn_status guarded(const char* function, Body&& body) noexcept {
       t_last_error = cat(function, ": ", e.what());
     } catch (...) {
     }
-    return status_of(e.message());
+    return status_of(e.kind());
   } catch (const std::bad_alloc&) {
     try {
       t_last_error = cat(function, ": out of memory");
@@ -83,17 +92,10 @@ dattn_status guarded(const char* function, Body&& body) noexcept {
 }
 
 // Runs a collective call's argument checks so that all ranks agree: a failure on any rank fails
-// the call on every rank (before any data moves). bad_alloc inside the checks becomes an Error
-// ("out of memory") so that it is relayed too instead of leaving the other ranks waiting.
+// the call on every rank with that rank's kind of error (before any data moves).
 template <typename Check>
 void agree(dattn::Runtime& rt, const char* what, Check&& check) {
-  dattn::agree_on_validation(rt.cp(), what, dattn::kHashSeed, [&] {
-    try {
-      check();
-    } catch (const std::bad_alloc&) {
-      DATTN_THROW("out of memory while checking the arguments");
-    }
-  });
+  dattn::agree_on_validation(rt.cp(), what, dattn::kHashSeed, check);
 }
 
 std::vector<int64_t> copy_cu_seqlens(const int64_t* cu, int64_t n, const char* name) {
@@ -249,18 +251,10 @@ extern "C" const char* dattn_last_error(void) {
 }
 
 extern "C" const char* dattn_status_name(dattn_status status) {
-  switch (c_enum(status)) {
-    case DATTN_OK:
-      return "ok";
-    case DATTN_ERROR_INVALID_ARGUMENT:
-      return "invalid argument";
-    case DATTN_ERROR_MPI:
-      return "MPI error";
-    case DATTN_ERROR_OUT_OF_MEMORY:
-      return "out of memory";
-    case DATTN_ERROR_INTERNAL:
-      return "internal error";
-  }
+  const int s = c_enum(status);
+  if (s == DATTN_OK) return "ok";
+  for (const auto& [kind, st] : kStatusOfKind)
+    if (st == s) return dattn::error_kind_name(kind);
   return "unknown status";
 }
 

@@ -24,19 +24,25 @@ extern "C" {
 
 /* ---------------------------------------------------------------- status and errors */
 
+/* One status per kind of error (the C++ library's dattn::ErrorKind). A call that fails because
+ * of another rank (bad arguments there) returns that rank's status on every rank. */
 typedef enum dattn_status {
   DATTN_OK = 0,
   DATTN_ERROR_INVALID_ARGUMENT = 1, /* a bad parameter; the message names it */
   DATTN_ERROR_MPI = 2,              /* an MPI call failed */
-  DATTN_ERROR_OUT_OF_MEMORY = 3,
-  DATTN_ERROR_INTERNAL = 4 /* a dattn bug */
+  DATTN_ERROR_OUT_OF_MEMORY = 3,    /* host or device memory ran out */
+  DATTN_ERROR_INTERNAL = 4,         /* a dattn bug */
+  DATTN_ERROR_CUDA = 5,             /* a CUDA runtime call failed */
+  DATTN_ERROR_NCCL = 6,             /* an NCCL call failed */
+  DATTN_ERROR_TIMEOUT = 7 /* a wait passed its deadline (the watchdog ends the job instead) */
 } dattn_status;
 
 /* The message of this thread's last dattn call: "" after a success, else what failed (the
  * parameter, its value and what was expected, the rank). Valid until this thread's next dattn
  * call other than dattn_last_error and dattn_status_name. Never NULL. */
 const char* dattn_last_error(void);
-/* "ok", "invalid argument", "MPI error", "out of memory", "internal error" ("unknown status"). */
+/* "ok", "invalid argument", "MPI error", "out of memory", "internal error", "CUDA error",
+ * "NCCL error", "timeout" ("unknown status" for any other value). */
 const char* dattn_status_name(dattn_status status);
 
 /* ---------------------------------------------------------------- runtime */

@@ -1,12 +1,13 @@
 // agree_on_validation: one allreduce of (failing rank, hash, ~hash), then on failure a
-// broadcast of the failing rank's message or an allgather of the hashes. Also the checks of
-// q, k, v and the configuration hash that the attention and star entry points share.
+// broadcast of the failing rank's error (kind and message) or an allgather of the hashes. Also
+// the checks of q, k, v and the configuration hash that the attention and star entry points share.
 #include "src/validate.h"
 
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -20,13 +21,26 @@ void agree_on_validation(Communicator& group, const std::string& what, uint64_t 
   // them (the group itself on MPI; its MPI twin on NCCL).
   Communicator& comm = group.control();
   constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
-  std::string message;
+  // The failing rank's error as it travels: its kind and message (cut to fit).
+  struct Failure {
+    uint64_t kind = uint64_t(ErrorKind::invalid_argument);
+    char message[1024] = {};
+  } failure;
   uint64_t local[3] = {kNone, config_hash, ~config_hash};
+  auto fail = [&](ErrorKind kind, const std::string& message) {
+    failure.kind = uint64_t(kind);
+    std::strncpy(failure.message, message.c_str(), sizeof(failure.message) - 1);
+    local[0] = uint64_t(comm.rank());
+  };
+  // Whatever the check throws is relayed, so that no rank goes on into a collective alone.
   try {
     check();
   } catch (const Error& e) {
-    message = e.message();
-    local[0] = uint64_t(comm.rank());
+    fail(e.kind(), e.message());
+  } catch (const std::bad_alloc&) {
+    fail(ErrorKind::out_of_memory, "out of memory while checking the arguments");
+  } catch (const std::exception& e) {
+    fail(ErrorKind::internal, detail::cat("internal error: ", e.what()));
   }
   // min over ranks of: failing rank, hash, ~hash. All hashes equal iff min(h) == ~min(~h).
   uint64_t global[3];
@@ -34,10 +48,11 @@ void agree_on_validation(Communicator& group, const std::string& what, uint64_t 
 
   if (global[0] != kNone) {
     const int root = int(global[0]);
-    char buf[1024] = {};
-    if (comm.rank() == root) std::strncpy(buf, message.c_str(), sizeof(buf) - 1);
-    comm.broadcast(buf, sizeof(buf), root);
-    DATTN_THROW("rank ", root, " rejected the ", what, ": ", buf);
+    comm.broadcast(&failure, sizeof(failure), root);
+    failure.message[sizeof(failure.message) - 1] = '\0';
+    const ErrorKind kind =
+        failure.kind < uint64_t(kErrorKinds) ? ErrorKind(failure.kind) : ErrorKind::internal;
+    DATTN_THROW_KIND(kind, "rank ", root, " rejected the ", what, ": ", failure.message);
   }
   if (global[1] != ~global[2]) {
     std::vector<uint64_t> hashes(size_t(comm.size()));

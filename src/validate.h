@@ -14,9 +14,10 @@ namespace dattn {
 
 // Runs `check` on this rank (it throws dattn::Error on bad input), then one small allreduce:
 // if any rank's check failed, every rank throws an Error that names the lowest failing rank and
-// carries its message; if the ranks passed different config_hash values (a configuration that
-// must match everywhere), every rank throws an Error naming `what` and the ranks that differ
-// from rank 0. Collective over comm.
+// carries that rank's kind and message (std::bad_alloc counts as out_of_memory, any other
+// exception as internal); if the ranks passed different config_hash values (a configuration that
+// must match everywhere), every rank throws an invalid_argument Error naming `what` and the ranks
+// that differ from rank 0. Collective over comm.
 void agree_on_validation(Communicator& comm, const std::string& what, uint64_t config_hash,
                          const std::function<void()>& check);
 

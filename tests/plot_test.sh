@@ -46,7 +46,7 @@ prefill() {  # NAME ARGS...: 2-rank prefill, 256..1024 tokens, one timed iterati
     fail "dattn-run prefill $* failed"
   fi
 }
-prefill ring -a ring
+prefill ring -a ring -l contiguous
 prefill ring_zigzag -a ring -l zigzag
 prefill ulysses -a ulysses -G 2
 

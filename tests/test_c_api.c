@@ -438,6 +438,20 @@ static void run_error_paths(dattn_runtime* rt) {
                                         out, lse),
                 DATTN_ERROR_INVALID_ARGUMENT, "spec.cu_seqlens");
   }
+#ifndef __SANITIZE_ADDRESS__ /* AddressSanitizer reports an allocation this large, not fails it */
+  /* Arguments on the last rank that need more memory than there is (2^56 document boundaries):
+   * every rank fails with the status of that rank's error, out of memory. */
+  {
+    const int64_t cu[3] = {0, 8, S};
+    dattn_spec huge = spec;
+    huge.mask = DATTN_MASK_DOCUMENT;
+    huge.cu_seqlens = cu;
+    huge.num_cu_seqlens = g_rank == last ? (int64_t)1 << 56 : 3;
+    CHECK_FAILS(
+        dattn_attention_forward(rt, &tq, &tk, &tk, &huge, &layout, DATTN_STRATEGY_RING, out, lse),
+        DATTN_ERROR_OUT_OF_MEMORY, "out of memory");
+  }
+#endif
   /* Layout helpers. */
   {
     int64_t len = 0;
@@ -499,6 +513,17 @@ static void run_error_paths(dattn_runtime* rt) {
     CHECK(ok, "the other thread saw its own error");
     CHECK(strstr(dattn_last_error(), "runtime") != NULL, "this thread's message survives");
     CHECK(strcmp(dattn_status_name(DATTN_ERROR_MPI), "MPI error") == 0, "status names");
+  }
+  /* Every status has its own name. */
+  {
+    static const char* names[] = {
+        "ok",         "invalid argument", "MPI error", "out of memory", "internal error",
+        "CUDA error", "NCCL error",       "timeout"};
+    for (int s = 0; s <= DATTN_ERROR_TIMEOUT; ++s)
+      CHECK(strcmp(dattn_status_name((dattn_status)s), names[s]) == 0, "status %d is \"%s\"", s,
+            dattn_status_name((dattn_status)s));
+    CHECK(strcmp(dattn_status_name((dattn_status)(DATTN_ERROR_TIMEOUT + 1)), "unknown status") == 0,
+          "a value outside the enum");
   }
   /* After all these failures the runtime still works. */
   CHECK_OK(

@@ -1,12 +1,18 @@
 // Multi-rank tests (1-4 ranks) of error handling: bad input to dattn::attention throws a
-// dattn::Error on every rank (no rank hangs), whose what() names the parameter, the mismatch or
-// the rank at fault (masks, Ulysses/hybrid head splits included); plus the errors of layouts, the
-// runtime (its Ulysses degree), and dtype/strategy names.
+// dattn::Error of kind invalid_argument on every rank (no rank hangs), whose what() names the
+// parameter, the mismatch or the rank at fault (masks, Ulysses/hybrid head splits included); the
+// errors of layouts, the runtime (its Ulysses degree), and dtype/strategy names; and the other
+// kinds (MPI, CUDA, NCCL, out of memory, timeout, internal), set where thrown and relayed to
+// every rank by agreed validation.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cmath>
+#include <functional>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/reference.h"
@@ -14,12 +20,54 @@
 #include "src/base/error.h"
 #include "src/layout.h"
 #include "src/runtime.h"
+#include "src/validate.h"
 #include "tests/test_reference.h"
+
+#if DATTN_WITH_CUDA
+#include "src/base/cuda_check.h"
+#endif
+#if DATTN_WITH_NCCL
+#include "collective/nccl_check.h"
+#endif
 
 namespace dattn {
 namespace {
 
-using test::throws_naming;
+// Runs f, which must throw a dattn::Error of `kind` whose what() contains every needle, on every
+// rank the same kind. Collective over MPI_COMM_WORLD: every rank calls it.
+template <typename F>
+testing::AssertionResult throws_kind(F&& f, ErrorKind kind,
+                                     const std::vector<std::string>& needles = {}) {
+  int got = -1;  // this rank's kind, -1 for none
+  testing::AssertionResult named = test::throws_naming(
+      [&] {
+        try {
+          f();
+        } catch (const Error& e) {
+          got = int(e.kind());
+          throw;
+        }
+      },
+      needles);
+  int lo = 0, hi = 0;
+  MPI_Allreduce(&got, &lo, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&got, &hi, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (!named) return named;
+  if (got != int(kind))
+    return testing::AssertionFailure()
+           << "kind " << error_kind_name(ErrorKind(got)) << ", expected " << error_kind_name(kind)
+           << ": " << named.message();
+  if (lo != hi)
+    return testing::AssertionFailure()
+           << "the ranks threw different kinds (" << lo << " to " << hi << "): " << named.message();
+  return named;
+}
+
+// A bad argument: invalid_argument on every rank, naming every needle.
+template <typename F>
+testing::AssertionResult rejects(F&& f, const std::vector<std::string>& needles) {
+  return throws_kind(std::forward<F>(f), ErrorKind::invalid_argument, needles);
+}
 
 // A valid problem for this rank: spec, contiguous layout over the world, and shards.
 struct Call {
@@ -77,19 +125,19 @@ TEST_F(AttentionErrors, BatchMismatchBetweenQAndK) {
   Call c(P, me);
   c.k = test::random_tensor({2, c.layout.local_len(me), 2, 32}, DType::f32, 5);
   c.v = test::random_tensor({2, c.layout.local_len(me), 2, 32}, DType::f32, 6);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"batch"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"batch"}));
 }
 
 TEST_F(AttentionErrors, HeadDimMismatchBetweenQAndK) {
   Call c(P, me);
   c.k = test::random_tensor({1, c.layout.local_len(me), 2, 16}, DType::f32, 5);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"head_dim", "16"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"head_dim", "16"}));
 }
 
 TEST_F(AttentionErrors, VHeadDimNotSpecHeadDimV) {
   Call c(P, me);
   c.spec.head_dim_v = 24;  // v still has 32
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"head_dim"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"head_dim"}));
 }
 
 TEST_F(AttentionErrors, HeadsQNotAMultipleOfHeadsKv) {
@@ -99,13 +147,13 @@ TEST_F(AttentionErrors, HeadsQNotAMultipleOfHeadsKv) {
   c.q = test::random_tensor({1, c.layout.local_len(me), 6, 32}, DType::f32, 5);
   c.k = test::random_tensor({1, c.layout.local_len(me), 4, 32}, DType::f32, 6);
   c.v = test::random_tensor({1, c.layout.local_len(me), 4, 32}, DType::f32, 7);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"heads_q", "multiple"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"heads_q", "multiple"}));
 }
 
 TEST_F(AttentionErrors, TensorHeadsNotTheSpecs) {
   Call c(P, me);
   c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);  // spec: 4
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"heads"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"heads"}));
 }
 
 TEST_F(AttentionErrors, ZeroOrNegativeSizes) {
@@ -113,41 +161,41 @@ TEST_F(AttentionErrors, ZeroOrNegativeSizes) {
   {
     AttnSpec s = c.spec;
     s.heads_q = 0;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_q"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"heads_q"}));
   }
   {
     AttnSpec s = c.spec;
     s.heads_kv = 0;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_kv"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"heads_kv"}));
   }
   {
     AttnSpec s = c.spec;
     s.heads_kv = -2;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"heads_kv"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"heads_kv"}));
   }
   {
     AttnSpec s = c.spec;
     s.head_dim = 0;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"head_dim"}));
   }
   {
     AttnSpec s = c.spec;
     s.head_dim = -32;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"head_dim"}));
   }
   {
     AttnSpec s = c.spec;
     s.head_dim_v = -1;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim_v"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"head_dim_v"}));
   }
   {
     AttnSpec s = c.spec;
     s.head_dim = 512;  // beyond the kernels' 256
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"head_dim"}));
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"head_dim"}));
   }
   // A batch of 0 is rejected too.
   Call z(P, me, 4, DType::f32, 0);
-  EXPECT_TRUE(throws_naming([&] { run(z); }, {"batch"}));
+  EXPECT_TRUE(rejects([&] { run(z); }, {"batch"}));
 }
 
 // spec.h: softmax_scale 0 means 1/sqrt(head_dim); a negative or non-finite scale is rejected.
@@ -156,7 +204,7 @@ TEST_F(AttentionErrors, SoftmaxScale) {
   for (float bad : {-0.5f, std::nanf(""), INFINITY}) {
     AttnSpec s = c.spec;
     s.softmax_scale = bad;
-    EXPECT_TRUE(throws_naming([&] { run(c, s); }, {"softmax_scale"})) << bad;
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"softmax_scale"})) << bad;
   }
 }
 
@@ -164,37 +212,37 @@ TEST_F(AttentionErrors, LocalSeqNotTheLayoutsLocalLen) {
   Call c(P, me);
   const int64_t l = c.layout.local_len(me);
   c.make_tensors(me, l + 1, l + 1);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq", std::to_string(l + 1)}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"seq", std::to_string(l + 1)}));
   c.make_tensors(me, l, l + 2);  // q right, k/v wrong
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"seq"}));
   c.make_tensors(me);
   c.v = test::random_tensor({1, l + 3, 2, 32}, DType::f32, 9);  // v's seq differs from k's
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"seq"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"seq"}));
 }
 
 TEST_F(AttentionErrors, DtypeOfKDiffersFromQ) {
   Call c(P, me);
   c.k = c.k.to(DType::bf16);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"dtype", "bf16"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"dtype", "bf16"}));
   Call d(P, me, 4, DType::f16);
   d.v = d.v.to(DType::f32);
-  EXPECT_TRUE(throws_naming([&] { run(d); }, {"dtype"}));
+  EXPECT_TRUE(rejects([&] { run(d); }, {"dtype"}));
 }
 
 TEST_F(AttentionErrors, UndefinedOrWrongRankTensor) {
   Call c(P, me);
   c.v = Tensor();
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"v"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"v"}));
   Call d(P, me);
   d.q = test::random_tensor({d.layout.local_len(me), 4, 32}, DType::f32, 4);  // 3-D
-  EXPECT_TRUE(throws_naming([&] { run(d); }, {"q"}));
+  EXPECT_TRUE(rejects([&] { run(d); }, {"q"}));
 }
 
 TEST_F(AttentionErrors, LayoutForADifferentNumberOfRanks) {
   Call c(P, me);
   c.layout = Layout::contiguous(c.S, P + 1);
   c.make_tensors(me);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"ranks", std::to_string(P + 1)}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"ranks", std::to_string(P + 1)}));
 }
 
 // ---------------------------------------------------------------- a configuration that differs
@@ -206,12 +254,12 @@ TEST_F(AttentionErrors, ConfigurationDiffersBetweenRanks) {
   {
     Call c(P, me);
     if (me == 1) c.spec.mask = Mask::none();
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "mask";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "mask";
   }
   {
     Call c(P, me);
     if (me == 1) c.spec.softmax_scale = 0.25f;
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "softmax scale";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "softmax scale";
   }
   {
     Call c(P, me);
@@ -219,15 +267,15 @@ TEST_F(AttentionErrors, ConfigurationDiffersBetweenRanks) {
       c.layout = Layout::contiguous(c.S + P, P);
       c.make_tensors(me);
     }
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "layout";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "layout";
   }
   {
     Call c(P, me, 4, DType::f32, me == 1 ? 2 : 1);  // batch
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "batch";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "batch";
   }
   {
     Call c(P, me, 4, me == 1 ? DType::bf16 : DType::f32);  // dtype
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "dtype";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "dtype";
   }
   {
     Call c(P, me);
@@ -235,13 +283,13 @@ TEST_F(AttentionErrors, ConfigurationDiffersBetweenRanks) {
       c.spec.heads_kv = 4;
       c.make_tensors(me);
     }
-    EXPECT_TRUE(throws_naming([&] { run(c); }, differ)) << "heads_kv";
+    EXPECT_TRUE(rejects([&] { run(c); }, differ)) << "heads_kv";
   }
   // The message names the rank that differs from rank 0.
   {
     Call c(P, me);
     if (me == P - 1) c.spec.mask = Mask::none();
-    EXPECT_TRUE(throws_naming([&] { run(c); }, {"differ", std::to_string(P - 1)}));
+    EXPECT_TRUE(rejects([&] { run(c); }, {"differ", std::to_string(P - 1)}));
   }
 }
 
@@ -251,22 +299,22 @@ TEST_F(AttentionErrors, BadValueOnOneRankOnly) {
   {
     Call c(P, me);
     if (me == bad) c.k = test::random_tensor({1, c.layout.local_len(me), 2, 16}, DType::f32, 5);
-    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "head_dim"}));
+    EXPECT_TRUE(rejects([&] { run(c); }, {rank_str(bad), "head_dim"}));
   }
   {
     Call c(P, me);
     if (me == bad) c.make_tensors(me, c.layout.local_len(me) + 1, c.layout.local_len(me) + 1);
-    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "seq"}));
+    EXPECT_TRUE(rejects([&] { run(c); }, {rank_str(bad), "seq"}));
   }
   {
     Call c(P, me);
     if (me == bad) c.v = c.v.to(DType::bf16);
-    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(bad), "dtype"}));
+    EXPECT_TRUE(rejects([&] { run(c); }, {rank_str(bad), "dtype"}));
   }
   if (P >= 2) {  // rank 0 is fine, rank 1 is bad: the message on rank 0 names rank 1
     Call c(P, me);
     if (me == 1) c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);
-    EXPECT_TRUE(throws_naming([&] { run(c); }, {rank_str(1), "heads"}));
+    EXPECT_TRUE(rejects([&] { run(c); }, {rank_str(1), "heads"}));
   }
 }
 
@@ -302,6 +350,7 @@ TEST_F(AttentionErrors, MessageFormat) {
     EXPECT_NE(what.find(".cpp:"), std::string::npos) << what;
     EXPECT_NE(what.find(e.message()), std::string::npos) << what;
     EXPECT_NE(e.message().find("heads_q"), std::string::npos) << e.message();
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_argument) << error_kind_name(e.kind());
   }
 }
 
@@ -312,13 +361,13 @@ TEST(RuntimeErrors, CpTimesTpNotTheNumberOfRanks) {
   MPI_Comm_size(MPI_COMM_WORLD, &P);
   RuntimeOptions o;
   o.cp = P + 1;
-  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"cp"}));
+  EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"cp"}));
   RuntimeOptions t;
   t.tp = 0;
-  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, t); }, {"tp"}));
+  EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, t); }, {"tp"}));
   RuntimeOptions g;  // no machine has this GPU (and a CPU-only build has none at all)
   g.device = Device::cuda(1 << 20);
-  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, g); }, {"device"}));
+  EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, g); }, {"device"}));
   // Options that differ between ranks, or that are bad on one rank only: every rank throws.
   int me = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
@@ -328,33 +377,33 @@ TEST(RuntimeErrors, CpTimesTpNotTheNumberOfRanks) {
       d.tp = P;
       d.cp = 1;
     }
-    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, d); }, {"differ"}));
+    EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, d); }, {"differ"}));
   }
   RuntimeOptions last;
   if (me == P - 1) last.cp = P + 1;
-  EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, last); },
-                            {"rank " + std::to_string(P - 1), "cp"}));
+  EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, last); },
+                      {"rank " + std::to_string(P - 1), "cp"}));
   // And a valid runtime can still be built afterwards.
   Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
   EXPECT_EQ(rt.size(), P);
 }
 
 TEST(LayoutErrors, BadRanksOrSeq) {
-  EXPECT_TRUE(throws_naming([] { Layout::contiguous(16, 0); }, {"ranks", "0"}));
-  EXPECT_TRUE(throws_naming([] { Layout::contiguous(16, -3); }, {"ranks", "-3"}));
-  EXPECT_TRUE(throws_naming([] { Layout::contiguous(-1, 2); }, {"global_seq", "-1"}));
+  EXPECT_TRUE(rejects([] { Layout::contiguous(16, 0); }, {"ranks", "0"}));
+  EXPECT_TRUE(rejects([] { Layout::contiguous(16, -3); }, {"ranks", "-3"}));
+  EXPECT_TRUE(rejects([] { Layout::contiguous(-1, 2); }, {"global_seq", "-1"}));
   Layout l = Layout::contiguous(10, 2);
-  EXPECT_TRUE(throws_naming([&] { l.local_len(2); }, {"rank"}));
-  EXPECT_TRUE(throws_naming([&] { l.global_position(0, 5); }, {"local_index"}));
+  EXPECT_TRUE(rejects([&] { l.local_len(2); }, {"rank"}));
+  EXPECT_TRUE(rejects([&] { l.global_position(0, 5); }, {"local_index"}));
   Tensor wrong = Tensor::zeros({1, 11, 1, 1}, DType::f32);
-  EXPECT_TRUE(throws_naming([&] { l.dispatch(wrong, 0); }, {"sequence length", "11"}));
+  EXPECT_TRUE(rejects([&] { l.dispatch(wrong, 0); }, {"sequence length", "11"}));
 }
 
 TEST(NameErrors, ParseDtypeAndStrategy) {
-  EXPECT_TRUE(throws_naming([] { parse_dtype("fp8"); }, {"dtype", "fp8"}));
-  EXPECT_TRUE(throws_naming([] { parse_dtype(""); }, {"dtype"}));
-  EXPECT_TRUE(throws_naming([] { parse_strategy("trees"); }, {"strategy", "trees"}));
-  EXPECT_TRUE(throws_naming([] { parse_strategy("Ring "); }, {"strategy", "Ring "}));
+  EXPECT_TRUE(rejects([] { parse_dtype("fp8"); }, {"dtype", "fp8"}));
+  EXPECT_TRUE(rejects([] { parse_dtype(""); }, {"dtype"}));
+  EXPECT_TRUE(rejects([] { parse_strategy("trees"); }, {"strategy", "trees"}));
+  EXPECT_TRUE(rejects([] { parse_strategy("Ring "); }, {"strategy", "Ring "}));
 }
 
 // ---------------------------------------------------------------- masks, Ulysses and hybrid
@@ -362,19 +411,19 @@ TEST(NameErrors, ParseDtypeAndStrategy) {
 TEST_F(AttentionErrors, NegativeWindowNamesWindowLeft) {
   Call c(P, me);
   c.spec.mask = Mask::window(-5);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"window left", "-5"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"window left", "-5"}));
   c.spec.mask = Mask::window(4, -7);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"window right", "-7"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"window right", "-7"}));
 }
 
 TEST_F(AttentionErrors, DocumentsNotEndingAtGlobalSeq) {
   Call c(P, me);  // S = 4 P
   c.spec.mask = Mask::document({0, 3, c.S - 1}, true);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
   c.spec.mask = Mask::document({0, 3, c.S + 2}, false);
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
   c.spec.mask = Mask::document({0, 3, 3, c.S}, true);  // not increasing
-  EXPECT_TRUE(throws_naming([&] { run(c); }, {"cu_seqlens"}));
+  EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
   // Ending at S is valid, under the ring and Ulysses (12 K/V heads divide by 1 to 4 ranks).
   c.spec.mask = Mask::document({0, 3, c.S}, true);
   c.spec.heads_kv = 12;
@@ -395,8 +444,8 @@ TEST_F(AttentionErrors, UlyssesHeadsKvNotDivisibleByCpRanks) {
     c.spec.heads_kv = hkv;
     c.spec.heads_q = 2 * hkv;
     c.make_tensors(me);
-    EXPECT_TRUE(throws_naming(
-        [&] { attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses); }, {"heads_kv"}))
+    EXPECT_TRUE(rejects([&] { attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses); },
+                        {"heads_kv"}))
         << "heads_kv = " << hkv << " on " << P << " ranks";
   }
   c.spec.heads_kv = P + 1;  // never a multiple of P
@@ -423,8 +472,8 @@ TEST(HybridErrors, HeadsKvNotDivisibleByUlyssesDegree) {
   c.spec.heads_kv = 3;
   c.spec.heads_q = 6;
   c.make_tensors(me);
-  EXPECT_TRUE(throws_naming(
-      [&] { attention(rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::hybrid); }, {"heads_kv"}));
+  EXPECT_TRUE(rejects([&] { attention(rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::hybrid); },
+                      {"heads_kv"}));
   c.spec.heads_kv = 2;
   c.spec.heads_q = 4;
   c.make_tensors(me);
@@ -438,13 +487,13 @@ TEST(RuntimeErrors, UlyssesDegreeNotDividingCp) {
   for (int u : {P + 1, 0, -2}) {
     RuntimeOptions o;
     o.ulysses = u;
-    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses"}))
+    EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses"}))
         << "ulysses = " << u;
   }
   if (P == 4) {
     RuntimeOptions o;
     o.ulysses = 3;
-    EXPECT_TRUE(throws_naming([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses", "3"}));
+    EXPECT_TRUE(rejects([&] { Runtime::from_mpi(MPI_COMM_WORLD, o); }, {"ulysses", "3"}));
   }
   // Every divisor works.
   for (int u = 1; u <= P; ++u) {
@@ -464,7 +513,114 @@ TEST(NameErrors, ParseEveryStrategy) {
   EXPECT_EQ(parse_strategy("hybrid"), Strategy::hybrid);
   EXPECT_EQ(std::string(strategy_name(Strategy::ulysses)), "ulysses");
   EXPECT_EQ(std::string(strategy_name(Strategy::hybrid)), "hybrid");
-  EXPECT_TRUE(throws_naming([] { parse_strategy("usp"); }, {"strategy", "usp"}));
+  EXPECT_TRUE(rejects([] { parse_strategy("usp"); }, {"strategy", "usp"}));
+}
+
+// ---------------------------------------------------------------- error kinds
+
+TEST(ErrorKinds, NamesAndMacros) {
+  std::vector<std::string> names;
+  for (int k = 0; k < kErrorKinds; ++k) {
+    const std::string name = error_kind_name(ErrorKind(k));
+    EXPECT_NE(name, "unknown error") << k;
+    for (const std::string& other : names)
+      EXPECT_NE(name, other);
+    names.push_back(name);
+  }
+  EXPECT_STREQ(error_kind_name(ErrorKind::invalid_argument), "invalid argument");
+  EXPECT_STREQ(error_kind_name(ErrorKind::out_of_memory), "out of memory");
+  EXPECT_STREQ(error_kind_name(ErrorKind(kErrorKinds)), "unknown error");
+  EXPECT_TRUE(throws_kind([] { DATTN_THROW("plain"); }, ErrorKind::invalid_argument, {"plain"}));
+  EXPECT_TRUE(throws_kind([] { DATTN_CHECK_ARG(false, "x", 1, "2"); }, ErrorKind::invalid_argument,
+                          {"invalid x = 1: expected 2"}));
+  const int two = 2;
+  EXPECT_TRUE(throws_kind([&] { DATTN_ASSERT(two == 3); }, ErrorKind::internal,
+                          {"internal error", "two == 3"}));
+  EXPECT_TRUE(throws_kind([] { DATTN_THROW_KIND(ErrorKind::timeout, "waited ", 2, " s"); },
+                          ErrorKind::timeout, {"waited 2 s"}));
+}
+
+// An MPI call that fails (a send to a rank the communicator does not have) is an MPI error.
+TEST_F(AttentionErrors, MpiFailureIsAnMpiError) {
+  int x = 0;
+  const auto send = [&] {
+    RequestPtr r = rt->cp().isend(&x, sizeof x, P + 3, 1);
+    rt->cp().wait(r);
+  };
+  EXPECT_TRUE(throws_kind(send, ErrorKind::mpi, {"MPI call failed", "MPI_Isend"}));
+}
+
+#if DATTN_WITH_CUDA
+// A failed CUDA call is a CUDA error, except a failed allocation: out of memory.
+TEST(ErrorKinds, CudaCheck) {
+  EXPECT_TRUE(throws_kind([] { DATTN_CUDA_CHECK(cudaErrorInvalidValue); }, ErrorKind::cuda,
+                          {"CUDA call failed", "cudaErrorInvalidValue"}));
+  EXPECT_TRUE(throws_kind([] { DATTN_CUDA_CHECK(cudaErrorMemoryAllocation); },
+                          ErrorKind::out_of_memory, {"cudaErrorMemoryAllocation"}));
+}
+
+// A device tensor of twice the GPU's memory is out of memory.
+TEST(ErrorKinds, DeviceOutOfMemory) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "needs a GPU";
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  const int64_t floats = int64_t(prop.totalGlobalMem / 2);  // 4 bytes each: twice the memory
+  EXPECT_TRUE(throws_kind([&] { Tensor::empty({floats}, DType::f32, Device::cuda(0)); },
+                          ErrorKind::out_of_memory, {"cudaErrorMemoryAllocation"}));
+}
+#endif
+
+#if DATTN_WITH_NCCL
+TEST(ErrorKinds, NcclCheck) {
+  EXPECT_TRUE(throws_kind([] { DATTN_NCCL_CHECK(ncclInvalidArgument); }, ErrorKind::nccl,
+                          {"NCCL call failed", "ncclInvalidArgument"}));
+}
+#endif
+
+// A host tensor beyond the address space (256 TiB) is out of memory, and so is the same
+// allocation in an agreed validation on the last rank only: every rank throws that kind.
+TEST_F(AttentionErrors, HostOutOfMemory) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reports an allocation this large instead of failing it";
+#endif
+  const auto huge = [] { Tensor::empty({int64_t(1) << 46}, DType::f32); };
+  EXPECT_TRUE(throws_kind(huge, ErrorKind::out_of_memory, {"out of host memory"}));
+  EXPECT_TRUE(throws_kind(
+      [&] {
+        agree_on_validation(rt->cp(), "test call", kHashSeed, [&] {
+          if (me == P - 1) huge();
+        });
+      },
+      ErrorKind::out_of_memory,
+      {rank_str(P - 1) + " rejected the test call", "out of host memory"}));
+}
+
+// The kind of the failing rank's error travels with its message: whatever kind the last rank
+// throws in an agreed validation, every rank throws that kind, naming that rank. std::bad_alloc
+// there is out of memory, any other exception internal.
+TEST_F(AttentionErrors, EveryRankThrowsTheFailingRanksKind) {
+  const auto on_last_rank = [&](const std::function<void()>& fail) {
+    return [&, fail] {
+      agree_on_validation(rt->cp(), "test call", kHashSeed, [&] {
+        if (me == P - 1) fail();
+      });
+    };
+  };
+  const std::string who = rank_str(P - 1) + " rejected the test call";
+  for (int k = 0; k < kErrorKinds; ++k) {
+    const ErrorKind kind = ErrorKind(k);
+    EXPECT_TRUE(throws_kind(on_last_rank([&] { DATTN_THROW_KIND(kind, "failed here"); }), kind,
+                            {who, "failed here"}))
+        << error_kind_name(kind);
+  }
+  EXPECT_TRUE(throws_kind(on_last_rank([] { throw std::bad_alloc(); }), ErrorKind::out_of_memory,
+                          {who, "out of memory"}));
+  EXPECT_TRUE(throws_kind(on_last_rank([] { throw std::logic_error("odd state"); }),
+                          ErrorKind::internal, {who, "internal error", "odd state"}));
+  // And the ranks are still in step.
+  Call c(P, me);
+  EXPECT_NO_THROW(run(c));
 }
 
 }  // namespace

@@ -47,7 +47,9 @@ struct Workspace {
     for (int64_t sz : sizes)
       total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
     mem.reset(static_cast<float*>(std::aligned_alloc(64, size_t(total) * sizeof(float))));
-    if (!mem) DATTN_THROW("out of host memory allocating the attention workspace");
+    if (!mem)
+      DATTN_THROW_KIND(ErrorKind::out_of_memory,
+                       "out of host memory allocating the attention workspace");
     float* p = mem.get();
     float** slots[] = {&q, &k, &v, &vs, &s, &o, &o_saved, &m, &l};
     for (int i = 0; i < 9; ++i) {

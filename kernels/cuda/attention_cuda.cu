@@ -60,7 +60,8 @@ void dispatch(const detail::FlashParams& p, Variant v, cudaStream_t stream) {
     case 256:
       return launch_flash_fwd<T, 256, 256>(p, stream);
     default:
-      DATTN_THROW("internal error: no CUDA attention instantiation for head_dim ", v.d);
+      DATTN_THROW_KIND(ErrorKind::internal,
+                       "internal error: no CUDA attention instantiation for head_dim ", v.d);
   }
 }
 

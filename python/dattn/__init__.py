@@ -11,8 +11,13 @@ and finalises it at exit.
 
 Tensors are bshd ([batch, seq, heads, head_dim]) numpy arrays (float32, float16) or CPU torch
 tensors (float32, bfloat16, float16). Results are float32, numpy for numpy inputs and torch for
-torch inputs. Errors from the library raise ValueError with its message (it names the parameter
-and the rank); a bad tensor on one rank raises on every rank.
+torch inputs.
+
+Errors raise a subclass of dattn.Error with the library's message (it names the parameter and the
+rank) and its kind as e.kind; each also derives from the builtin a caller expects:
+InvalidArgumentError (ValueError), OutOfMemoryError (MemoryError), TimeoutError (TimeoutError),
+MPIError, CUDAError, NCCLError and InternalError (RuntimeError). A bad tensor on one rank raises
+the same class on every rank.
 """
 
 import atexit
@@ -21,9 +26,12 @@ import numpy as np
 
 from . import _C
 
+# TimeoutError is left out of __all__: a star import would hide the builtin of that name.
 __all__ = [
     "attention", "attention_backward", "attention_local", "attention_local_backward",
     "layout_positions", "rank", "world_size", "allreduce_sum", "barrier", "abort", "finalize",
+    "Error", "InvalidArgumentError", "OutOfMemoryError", "MPIError", "CUDAError", "NCCLError",
+    "InternalError",
 ]
 
 atexit.register(_C.finalize)
@@ -33,6 +41,15 @@ world_size = _C.world_size
 barrier = _C.barrier
 abort = _C.abort
 finalize = _C.finalize
+
+Error = _C.Error
+InvalidArgumentError = _C.InvalidArgumentError
+OutOfMemoryError = _C.OutOfMemoryError
+TimeoutError = _C.TimeoutError  # noqa: A001 - dattn.TimeoutError derives from the builtin
+MPIError = _C.MPIError
+CUDAError = _C.CUDAError
+NCCLError = _C.NCCLError
+InternalError = _C.InternalError
 
 try:
     import torch
@@ -79,7 +96,8 @@ def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", str
          "stripe_block": int(stripe_block)}
     if softmax_scale is not None:
         if not softmax_scale > 0:
-            raise ValueError(f"invalid softmax_scale = {softmax_scale}: expected > 0 (or None)")
+            raise InvalidArgumentError(
+                f"invalid softmax_scale = {softmax_scale}: expected > 0 (or None)")
         o["softmax_scale"] = float(softmax_scale)
     if window is not None:
         # window=w: the w keys before each query and the query (causal sliding window);
@@ -87,17 +105,18 @@ def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", str
         left, right = (window, 0) if np.ndim(window) == 0 else tuple(window)
         left, right = int(left), int(right)
         if causal and right != 0:
-            raise ValueError(f"invalid window = {window}: causal=True needs a right window of 0")
+            raise InvalidArgumentError(
+                f"invalid window = {window}: causal=True needs a right window of 0")
         o["window_left"], o["window_right"] = left, right
     if cu_seqlens is not None:
         o["cu_seqlens"] = [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
     if layout == "varlen" and cu_seqlens is None:
-        raise ValueError("invalid cu_seqlens = None: expected document boundaries [0, e1, ..., S] "
-                         "for layout 'varlen'")
+        raise InvalidArgumentError("invalid cu_seqlens = None: expected document boundaries "
+                                   "[0, e1, ..., S] for layout 'varlen'")
     if strategy == "hybrid":
         if ulysses_degree is None:
-            raise ValueError("invalid ulysses_degree = None: expected the Ulysses group size "
-                             "(a divisor of the ranks) for strategy 'hybrid'")
+            raise InvalidArgumentError("invalid ulysses_degree = None: expected the Ulysses "
+                                       "group size (a divisor of the ranks) for strategy 'hybrid'")
         o["ulysses_degree"] = int(ulysses_degree)
     return o
 
@@ -154,7 +173,8 @@ if torch is not None:
 def _run(forward, backward, q, k, v, options, return_lse):
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
         if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
-            raise ValueError("invalid q, k, v: expected all torch tensors or all numpy arrays")
+            raise InvalidArgumentError(
+                "invalid q, k, v: expected all torch tensors or all numpy arrays")
         call = _Call(forward, backward, options)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, call)

@@ -1,4 +1,4 @@
-// dattn::Error: message formatting with rank and location.
+// dattn::Error: message formatting with rank and location, and the names of the error kinds.
 #include "src/base/error.h"
 
 #include <atomic>
@@ -21,8 +21,28 @@ std::string format(const std::string& message, const char* file, int line) {
 }
 }  // namespace
 
-Error::Error(const std::string& message, const char* file, int line)
-    : std::runtime_error(format(message, file, line)), message_(message) {}
+const char* error_kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::invalid_argument:
+      return "invalid argument";
+    case ErrorKind::mpi:
+      return "MPI error";
+    case ErrorKind::cuda:
+      return "CUDA error";
+    case ErrorKind::nccl:
+      return "NCCL error";
+    case ErrorKind::out_of_memory:
+      return "out of memory";
+    case ErrorKind::timeout:
+      return "timeout";
+    case ErrorKind::internal:
+      return "internal error";
+  }
+  return "unknown error";
+}
+
+Error::Error(ErrorKind kind, const std::string& message, const char* file, int line)
+    : std::runtime_error(format(message, file, line)), kind_(kind), message_(message) {}
 
 void set_error_rank(int rank) {
   g_error_rank.store(rank);
@@ -32,8 +52,8 @@ int error_rank() {
 }
 
 namespace detail {
-void throw_error(const std::string& message, const char* file, int line) {
-  throw Error(message, file, line);
+void throw_error(ErrorKind kind, const std::string& message, const char* file, int line) {
+  throw Error(kind, message, file, line);
 }
 }  // namespace detail
 

@@ -129,7 +129,8 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
   }
   size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);
   void* p = std::aligned_alloc(64, bytes);
-  if (p == nullptr) DATTN_THROW("out of host memory allocating ", t.shape_str());
+  if (p == nullptr)
+    DATTN_THROW_KIND(ErrorKind::out_of_memory, "out of host memory allocating ", t.shape_str());
   t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.data_ = p;
   return t;

@@ -1,15 +1,11 @@
 // libFuzzer target: dattn-run's option parsing, as the prefill workload (`dattn-run prefill` and
-// dattn-prefill-bench) does it. The input is text: the words before a line "%%" (split at
-// whitespace and NUL) are the command line, the rest is the file of --config. parse_options
-// either answers UsageError (or dattn::Error) or returns options from which the run's problems
-// (spec and layout of each sequence length) and, for --dry-run, the plan are made without any
-// other exception. Any other outcome (crash, other exception, sanitizer report, hang) is a
+// dattn-prefill-bench) does it on the benchmark engine. The input is text: the words before a
+// line "%%" (split at whitespace and NUL) are the command line, the rest is the file of
+// --config. parse_workload either answers UsageError (or dattn::Error) or returns a workload
+// whose plan (the spec and layout of every sequence length, each asserted to have the length and
+// the ranks asked for, and the models of every rank) is made without any other exception. Any
+// other outcome (crash, other exception, internal assertion, sanitizer report, hang) is a
 // finding.
-//
-// The workload's parser lives in an anonymous namespace of examples/prefill_bench.cpp, which is
-// compiled into this target whole so that the fuzzer calls exactly what the program calls.
-#include "examples/prefill_bench.cpp"
-
 #include <mpi.h>
 #include <unistd.h>
 
@@ -19,23 +15,22 @@
 #include <string>
 #include <vector>
 
+#include "examples/workloads.h"
+#include "launch/program.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
 
 std::string g_config_path;  // the file --config names, rewritten for every input
 
-// Whether the problems of these options fit a quick check: the parser accepts sizes (ranks of a
-// dry run, documents) whose layouts take memory and time in proportion.
-bool small_enough(const Options& o) {
-  const int64_t docs = o.doc_lens.empty() ? o.doc_count : int64_t(o.doc_lens.size());
-  return o.launch.world <= 256 && docs <= 4096 && docs * o.cp() <= (1 << 16);
-}
-
-// Whether the dry-run plan is quick: its FLOP model visits every tile of every rank, about
-// (S / 64)^2 of them for the longest S (a plan for S = 2^40 would not finish).
-bool plan_small_enough(const Options& o) {
-  return o.seq_end <= 8192 && o.launch.world <= 64;
+// Whether the plan of these options fits a quick check: the parser accepts sizes (ranks of a
+// dry run, sequence lengths and the documents in them) whose layouts and models take memory and
+// time in proportion.
+bool small_enough(const dattn::bench::ParsedWorkload& p) {
+  const auto& vm = p.vm;
+  const int64_t seq =
+      vm.count("seq-end") ? vm["seq-end"].as<int64_t>() : vm["seq-begin"].as<int64_t>();
+  return p.options.launch.world <= 64 && seq <= 8192;
 }
 
 }  // namespace
@@ -98,17 +93,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   argv.push_back(nullptr);
 
   try {
-    const std::optional<Options> parsed = parse_options(int(words.size()), argv.data());
+    const auto parsed = dattn::bench::parse_workload(*dattn::bench::find_workload("prefill"),
+                                                     int(words.size()), argv.data());
     if (!parsed || !small_enough(*parsed)) return 0;
-    const Options& o = *parsed;
-    const std::vector<int64_t> seqs = sequence_lengths(o);
-    FUZZ_CHECK(!seqs.empty() && seqs.front() == o.seq_begin && seqs.back() <= o.seq_end,
-               "sequence lengths from ", o.seq_begin, " to ", o.seq_end);
-    for (int64_t S : {seqs.front(), seqs.back()}) {
-      const Problem p = make_problem(o, S, o.cp());
-      FUZZ_CHECK(p.layout.global_seq() == S && p.layout.ranks() == o.cp(), p.layout.str());
-    }
-    if (o.launch.dry_run && plan_small_enough(o)) print_plan(o);
+    dattn::bench::Plan plan(parsed->options);
+    parsed->workload->plan(plan);
   } catch (const dattn::UsageError&) {
   } catch (const dattn::Error& e) {
     dattn::fuzz::expect_argument_error(e);

@@ -1,9 +1,7 @@
 // What the fuzzers of tests/fuzz found, one test each, in the normal suite (the inputs themselves
 // replay from corpus/<target>/regression-* as fuzz_replay_<target>). Positions, sizes and windows
 // near the int64 limit, and option text that Boost.Program_options cannot report. Run as one
-// MPI process: the prefill workload's parser (compiled in whole, as fuzz_cli does) needs MPI.
-#include "examples/prefill_bench.cpp"
-
+// MPI process: the prefill workload's parser (the engine's, as fuzz_cli calls it) needs MPI.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/workloads.h"
+#include "launch/program.h"
 #include "src/base/spec.h"
 #include "src/layout.h"
 #include "src/models.h"
@@ -146,7 +146,8 @@ void expect_prefill_usage_error(std::vector<std::string> words, const std::strin
   for (std::string& w : words)
     argv.push_back(w.data());
   try {
-    parse_options(int(argv.size()), argv.data());
+    dattn::bench::parse_workload(*dattn::bench::find_workload("prefill"), int(argv.size()),
+                                 argv.data());
     ADD_FAILURE() << "no UsageError; expected one naming " << expected;
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();

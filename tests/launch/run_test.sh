@@ -3,7 +3,8 @@
 # --version answer; a bad option or an impossible plan prints one error (not one per rank) and
 # every rank exits non-zero without hanging; --config takes the command line's keys and loses to
 # it; --dry-run plans 1024 ranks without computing; --tp splits heads and stays correct (#wrong 0
-# against float64); --json rows carry the common keys.
+# against float64, the check on by default); -k 0 leaves #wrong N/A; --compare reruns the largest
+# case per value and prints the ratio; --json rows carry the common keys.
 #   bash tests/launch/run_test.sh REPO BIN_DIR
 set -euo pipefail
 repo=${1:?REPO}
@@ -90,6 +91,8 @@ expect_error "ulysses heads per tp slice" 4 "invalid --kv-heads / --tp = 1" \
 expect_error "world-size without dry-run" 2 "invalid --world-size = 8" prefill --world-size 8
 expect_error "unknown device" 2 "invalid --device = tpu" prefill --device tpu
 expect_error "unknown option" 2 "unrecognised option '--bogus'" decode --bogus 1
+expect_error "-c is gone (-m says it)" 2 "unrecognised option '-c'" prefill -c 0
+expect_error "bad --compare key" 2 "invalid --compare = bogus=1,2" prefill --compare bogus=1,2
 expect_error "missing config file" 2 "invalid --config = $work/none.cfg" prefill --config "$work/none.cfg"
 printf 'seq-begin = 1024\nnot-an-option = 1\n' >"$work/bad.cfg"
 expect_error "unknown config key" 2 "unrecognised option 'not-an-option'" prefill --config "$work/bad.cfg"
@@ -99,9 +102,12 @@ if expect_ok "dry run, 1024 simulated ranks" 1 prefill --dry-run --world-size 10
      -H 32 -G 8 -l zigzag -s 65536 -e 1048576 -f 4; then
   checks=$((checks + 1))
   rows=$(data_rows "$work/out" | wc -l)
-  if ((rows == 1024)) && grep -q '^# planned 1024 ranks in' "$work/out"; then
-    pass "plan has 1024 rank rows: $(grep '^# planned' "$work/out")"
-  else fail "plan has $rows rank rows"; fi
+  # The first and last 8 ranks, the 1008 between them summed up in one line.
+  if ((rows == 16)) && grep -q '^#  \.\.\. 1008 ranks not shown' "$work/out" &&
+     data_rows "$work/out" | awk '$1 == 1023 && $2 == 255 && $3 == 3 && $5 == "24-31"' | grep -q . &&
+     grep -q '^# planned 1024 ranks in' "$work/out"; then
+    pass "plan shows ranks 0-7 and 1016-1023 of 1024: $(grep '^# planned' "$work/out")"
+  else fail "plan has $rows rank rows"; sed 's/^/    /' "$work/out"; fi
 fi
 # The plan shows what each rank holds: rank 5 of cp 4 x tp 2 is cp 2, tp 1, heads 4-7.
 if expect_ok "dry run, cp 4 x tp 2" 1 prefill --dry-run --world-size 8 --tp 2 -l zigzag -s 4096; then
@@ -129,6 +135,22 @@ for np in 1 3; do
   expect_ok "prefill on $np ranks, checked" "$np" prefill -s 300 -e 600 -n 1 -w 0 -k 1 \
     -l zigzag -J "$work/prefill$np.json" && wrong_is_zero "prefill np$np" "$work/out"
 done
+expect_ok "prefill, the check by default" 2 prefill -s 256 -n 1 -w 0 &&
+  wrong_is_zero "prefill default check" "$work/out"
+if expect_ok "prefill -k 0" 2 prefill -s 256 -n 1 -w 0 -k 0; then
+  checks=$((checks + 1))
+  if [[ $(data_rows "$work/out" | awk '{print $NF}') == N/A ]]; then pass "-k 0: #wrong N/A"
+  else fail "-k 0: #wrong not N/A"; sed 's/^/    /' "$work/out"; fi
+fi
+if expect_ok "prefill --compare" 2 prefill -s 128 -e 256 -n 1 -w 0 --check \
+     --compare layout=contiguous,zigzag -J "$work/compare.json"; then
+  checks=$((checks + 1))
+  if grep -q '^# compare layout: zigzag/contiguous time ratio = ' "$work/out" &&
+     grep -q '"compare": *{"key": *"layout"' "$work/compare.json"; then
+    pass "--compare: $(grep '^# compare layout:' "$work/out")"
+  else fail "--compare"; sed 's/^/    /' "$work/out"; fi
+  wrong_is_zero "prefill --compare" "$work/out"
+fi
 expect_ok "prefill cp 2 x tp 2, checked" 4 prefill --tp 2 -s 512 -n 1 -w 0 -k 1 -a hybrid -u 2 \
   -G 4 && wrong_is_zero "prefill tp 2" "$work/out"
 expect_ok "decode cp 2 x tp 2, checked" 4 decode --tp 2 -x 2048 -n 2 -w 0 -k 1 \

@@ -2,7 +2,8 @@
 """dattn's Python binding under mpiexec (1-4 ranks): out, lse and dq, dk, dv of this rank's shard
 against float64 torch autograd of the full sequence, for every strategy x layout x mask with GQA
 and head_dim 64/128; bf16 gradient error no worse distributed than in one process; bit-identical
-repeated backward calls; errors raised as ValueError on every rank.
+repeated backward calls; errors raised as dattn.InvalidArgumentError (a ValueError) on every
+rank, and the classes of the other kinds of error.
 
 Every rank builds the same global tensors from a fixed seed and compares its shard (picked with
 dattn.layout_positions). A failure on any rank prints the reason and aborts the job (no rank
@@ -220,14 +221,29 @@ def check_api():
         assert sorted(allpos.tolist()) == list(range(37)), kind
     assert dattn.allreduce_sum(1.5) == 1.5 * P
 
-    # Errors: ValueError with the library's message, on every rank, and no hang.
+    # Errors: dattn.InvalidArgumentError, also a ValueError, with the library's message, on every
+    # rank, and no hang.
     def raises(fn, word):
         try:
             fn()
         except ValueError as e:
             assert word in str(e), f"the message should name {word!r}: {e}"
+            assert isinstance(e, dattn.InvalidArgumentError), f"{type(e)}: {e}"
+            assert isinstance(e, dattn.Error) and e.kind == "invalid argument", f"{e.kind}: {e}"
             return
         raise AssertionError(f"no ValueError naming {word!r}")
+
+    # One class per kind of error, under dattn.Error and the builtin a caller expects.
+    for cls, builtin, kind in [(dattn.InvalidArgumentError, ValueError, "invalid argument"),
+                               (dattn.OutOfMemoryError, MemoryError, "out of memory"),
+                               (dattn.TimeoutError, TimeoutError, "timeout"),
+                               (dattn.MPIError, RuntimeError, "MPI error"),
+                               (dattn.CUDAError, RuntimeError, "CUDA error"),
+                               (dattn.NCCLError, RuntimeError, "NCCL error"),
+                               (dattn.InternalError, RuntimeError, "internal error")]:
+        assert issubclass(cls, dattn.Error) and issubclass(cls, builtin), cls
+        assert cls.kind == kind and cls.__module__ == "dattn", (cls, cls.kind, cls.__module__)
+        assert str(cls("message")) == "message", cls
 
     raises(lambda: dattn.attention(qn[:, :, :3], kn, vn), "heads_q")
     raises(lambda: dattn.attention(qn, kn, vn, layout="diagonal"), "layout")

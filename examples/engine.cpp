@@ -1,0 +1,584 @@
+// The benchmark engine (see engine.h): option parsing, the Runtime, timing, the check
+// statistics, tables, footer, JSON, --compare and the dry run around a Workload.
+#include "examples/engine.h"
+
+#include <mpi.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+
+#include "collective/mpi_communicator.h"
+#include "launch/program.h"
+#include "launch/progress.h"
+#include "src/base/error.h"
+
+namespace dattn::bench {
+
+using detail::cat;
+
+// ------------------------------------------------------------------ small services
+
+double allreduce_max(double v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+  return v;
+}
+
+uint64_t allreduce_max(uint64_t v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD));
+  return v;
+}
+
+uint64_t allreduce_sum(uint64_t v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD));
+  return v;
+}
+
+double percentile(const std::vector<double>& sorted, double p) {
+  const size_t n = sorted.size();
+  const size_t k = std::clamp<size_t>(size_t(std::ceil(p / 100.0 * double(n))), 1, n);
+  return sorted[k - 1];
+}
+
+double peak_rss_mib() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+
+int world_rank() {
+  int rank = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+std::vector<std::string> split_list(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t at = s.find(sep, begin);
+    out.push_back(s.substr(begin, at == std::string::npos ? at : at - begin));
+    if (at == std::string::npos) return out;
+    begin = at + 1;
+  }
+}
+
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(s)) {
+    size_t used = 0;
+    try {
+      out.push_back(std::stoll(item, &used, 10));
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    if (used != item.size()) return std::nullopt;
+  }
+  return out;
+}
+
+DType dtype_option(const std::string& name) {
+  try {
+    return parse_dtype(name);
+  } catch (const Error&) {
+    require_option(false, "--dtype", name, "fp32, bf16 or fp16");
+  }
+  return DType::f32;
+}
+
+void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp) {
+  require_option(heads >= 1, "--heads", heads, ">= 1");
+  require_option(kv_heads >= 1 && heads % kv_heads == 0, "--kv-heads", kv_heads,
+                 cat(">= 1 and dividing --heads (", heads, ")"));
+  require_option(kv_heads % tp == 0, "--kv-heads", kv_heads,
+                 cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
+  require_option(head_dim >= 1, "--head-dim", head_dim, ">= 1");
+}
+
+void require_one_of(const char* option, const std::string& value,
+                    const std::vector<std::string>& allowed) {
+  std::string expected;
+  for (size_t i = 0; i < allowed.size(); ++i)
+    expected += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + allowed[i];
+  require_option(std::find(allowed.begin(), allowed.end(), value) != allowed.end(), option, value,
+                 expected);
+}
+
+void CheckStats::compare(double got, double ref, const Tolerance& tol) {
+  checked += 1;
+  if (std::isinf(ref) || std::isinf(got)) {
+    if (got != ref) wrong += 1;
+    return;
+  }
+  const double err = std::abs(got - ref);
+  if (std::isfinite(err)) max_err = std::max(max_err, err);
+  if (!(err <= tol.abs + tol.rel * std::abs(ref))) wrong += 1;
+}
+
+CheckStats CheckStats::reduced() const {
+  return {allreduce_sum(checked), allreduce_sum(wrong), allreduce_max(max_err)};
+}
+
+uint64_t Row::wrong() const {
+  return uint64_t(std::max<int64_t>(result.wrong, 0)) + byte_mismatches;
+}
+
+bool Row::has_wrong() const {
+  return result.wrong >= 0 || byte_mismatches > 0;
+}
+
+void Row::take_bytes(const Timing& t) {
+  byte_checked = t.byte_checked;
+  byte_mismatches = t.byte_mismatches;
+  result.sent_mb_per_rank = t.sent_mb;
+  result.model_mb_per_rank = t.model_mb;
+}
+
+std::pair<CheckStats, CheckStats> Row::take_check(const CheckStats& out, const CheckStats& lse) {
+  const CheckStats o = out.reduced(), l = lse.reduced();
+  result.wrong = int64_t(o.wrong + l.wrong);
+  extra.add("checked_elements", int64_t(o.checked + l.checked))
+      .add("max_err_out", o.max_err)
+      .add("max_err_lse", l.max_err);
+  return {o, l};
+}
+
+std::string wrong_cell(const Row& r) {
+  return r.has_wrong() ? std::to_string(r.wrong()) : "N/A";
+}
+
+// ------------------------------------------------------------------ Bench
+
+Bench::Bench(Runtime& rt, const EngineOptions& opts) : rt_(rt), opts_(opts) {}
+
+void Bench::note(const std::string& line) const {
+  if (!root()) return;
+  std::printf("# %s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+Timing Bench::time(const std::string& what, const TimedCall& c) {
+  const int warmup = c.warmup >= 0 ? c.warmup : std::max(opts_.warmup, 0);
+  const int iters = c.iters >= 1 ? c.iters : opts_.iters;
+  Progress progress(root(), what, warmup + iters, c.unit);
+  std::vector<double> times;
+  double seconds = 0;
+  uint64_t sent_sum = 0, model_sum = 0, mismatches = 0;
+  for (int i = 0; i < warmup + iters; ++i) {
+    const bool timed = i >= warmup;
+    if (c.prepare) c.prepare(i);
+    rt_.reset_counters();
+    rt_.world().barrier();
+    const double t0 = MPI_Wtime();
+    c.call();
+    const double t = MPI_Wtime() - t0;
+    if (c.model_bytes) {
+      const ByteCounters counters = rt_.counters();
+      const uint64_t sent = c.counted ? c.counted(counters) : counters.data_bytes();
+      const uint64_t model = c.model_bytes();
+      if (sent != model) mismatches += 1;
+      if (timed) sent_sum += sent, model_sum += model;
+    }
+    if (timed) times.push_back(t), seconds += t;
+    progress.step();
+  }
+  Timing r;
+  r.mean_ms = allreduce_max(seconds / iters) * 1e3;
+  // A step's time is the slowest rank's: the element-wise max over ranks.
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, times.data(), int(times.size()), MPI_DOUBLE, MPI_MAX,
+                                MPI_COMM_WORLD));
+  double total = 0;
+  for (double t : times)
+    total += t, r.step_ms.push_back(t * 1e3);
+  std::sort(times.begin(), times.end());
+  r.step_mean_ms = total / iters * 1e3;
+  r.p50_ms = percentile(times, 50) * 1e3;
+  r.p99_ms = percentile(times, 99) * 1e3;
+  r.best_ms = times.front() * 1e3;
+  if (c.model_bytes) {
+    r.byte_checked = true;
+    r.sent_mb = double(allreduce_max(sent_sum)) / iters / 1e6;
+    r.model_mb = double(allreduce_max(model_sum)) / iters / 1e6;
+    r.byte_mismatches = allreduce_sum(mismatches);
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------ Plan
+
+void Plan::line(const std::string& text) const {
+  std::printf("# %s\n", text.c_str());
+}
+
+void Plan::grid(const std::string& what, const std::string& groups) const {
+  const LaunchOptions& l = opts_.launch;
+  line(cat("world ", l.world, " ranks = cp ", l.cp, " x tp ", l.tp,
+           " (tp is the fastest rank index); ", what));
+  line(cat("communicators: ", l.tp, " cp group(s) of ", l.cp,
+           " ranks (cp group t: world ranks t, t+", l.tp, ", ...); ", l.cp, " tp group(s) of ",
+           l.tp, " consecutive ranks", groups));
+  line("device: " + device_plan(l));
+}
+
+void Plan::table(const std::vector<report::Column>& columns) {
+  table_ = std::make_unique<report::Table>(columns);
+  table_->print_heading(stdout);
+}
+
+void Plan::row(const std::vector<std::string>& cells) const {
+  DATTN_ASSERT(table_);
+  table_->print_row(stdout, cells);
+}
+
+void Plan::skipped(int64_t n) const {
+  std::printf("#  ... %lld ranks not shown\n", static_cast<long long>(n));
+}
+
+std::vector<int> Plan::shown(int n) {
+  constexpr int kEnds = 8;
+  std::vector<int> out;
+  for (int i = 0; i < n; ++i)
+    if (n <= 2 * kEnds || i < kEnds || i >= n - kEnds) out.push_back(i);
+  return out;
+}
+
+void Plan::for_shown(int n, const std::function<void(int)>& f) const {
+  int next = 0;
+  for (int i : shown(n)) {
+    if (i > next) skipped(i - next);
+    f(i);
+    next = i + 1;
+  }
+}
+
+// ------------------------------------------------------------------ options
+
+std::vector<std::string> Workload::config_lines(Runtime& rt) const {
+  report::JsonObject cfg;
+  config_json(cfg);
+  return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(), ") threads/rank ",
+              rt.threads(), " ", cfg.words())};
+}
+
+RuntimeOptions Workload::runtime_options(const EngineOptions& e) const {
+  RuntimeOptions r;
+  r.cp = e.launch.cp;
+  r.tp = e.launch.tp;
+  r.device = e.launch.dev;
+  r.threads = e.threads;
+  return r;
+}
+
+namespace {
+
+// A workload and its options, parsed from one command line.
+struct Parsed {
+  std::unique_ptr<Workload> w;
+  EngineOptions e;
+  po::variables_map vm;
+  Defaults d;
+  bool answered = false;  // --help or --version was printed
+};
+
+// The shared options of a one-process workload: cp 1 x tp 1, the device cpu; the job's other
+// launch options are checked on the job's grid.
+void resolve_one_process(LaunchOptions& o) {
+  const std::string why = "the workload runs in one process";
+  require_option(o.cp == 0 || o.cp == 1, "--cp", o.cp, cat("1: ", why));
+  require_option(o.tp == 0 || o.tp == 1, "--tp", o.tp, cat("1: ", why));
+  require_option(o.world_size <= 1, "--world-size", o.world_size,
+                 cat("1: ", why, " (each rank of a job runs it alone)"));
+  require_option(o.device == "cpu", "--device", o.device, cat("cpu: ", why, " on the CPU"));
+  LaunchOptions job = o;
+  job.cp = job.tp = 0;
+  resolve_launch_options(job, 1);
+  o.cp = o.tp = o.world = 1;
+  o.dev = job.dev;
+}
+
+// The engine's own long options, which --compare cannot vary.
+bool engine_option(const std::string& key) {
+  for (const char* k : {"compare", "json", "help", "version", "config", "dry-run", "world-size"})
+    if (key == k) return true;
+  return false;
+}
+
+// -k/--check takes an optional value: a bare -k or --check (not followed by a value) means 1.
+std::vector<std::string> with_check_values(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] != "-k" && args[i] != "--check") continue;
+    const bool value_next = i + 1 < args.size() && !args[i + 1].empty() && args[i + 1][0] != '-';
+    if (!value_next) args[i] = "--check=1";
+  }
+  return args;
+}
+
+// compare_key and compare_value given: a --compare rerun, the option set to the value.
+Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::string& compare_key = "",
+             const std::string& compare_value = "") {
+  Parsed p;
+  p.w = entry.make();
+  Workload& w = *p.w;
+  EngineOptions& e = p.e;
+  const Defaults d = p.d = w.defaults();
+  e.iters = d.iters;
+  e.warmup = std::max(d.warmup, 0);
+  e.threads = d.threads;
+  e.check = d.has_check ? 1 : 0;
+  bool help = false, version = false;
+  po::options_description desc(
+      cat(w.program(), ": ", w.summary(), "\nusage: mpiexec -n P ", w.program(), " [options]"));
+  po::options_description own(cat(w.name(), " options"));
+  w.add_options(own);
+  po::options_description shared("benchmark options (shared by every workload)");
+  auto add = shared.add_options();
+  add(d.iters_option, po::value(&e.iters)->default_value(e.iters), d.iters_help);
+  if (d.warmup >= 0)
+    add("warmup,w", po::value(&e.warmup)->default_value(e.warmup), "untimed warm-up iterations");
+  if (d.has_check)
+    add("check,k", po::value(&e.check)->default_value(e.check)->value_name("0|1"),
+        "the built-in check against the float64 reference, on a cheap sample (fills #wrong); "
+        "0: off; --check alone: 1");
+  add("threads,T", po::value(&e.threads)->default_value(e.threads),
+      "OpenMP threads per rank (0: OMP_NUM_THREADS, else cores per rank)");
+  add("json,J", po::value(&e.json)->value_name("FILE"), "also write the results as JSON to FILE");
+  add("compare", po::value(&e.compare)->value_name("KEY=A,B"),
+      "after the table, run the largest case once per value of option KEY (a long option "
+      "above, e.g. layout=contiguous,zigzag or mask=none,causal) and report the time ratios "
+      "B/A");
+  add("help,h", po::bool_switch(&help), "print this help");
+  add("version,V", po::bool_switch(&version), "print the version");
+  desc.add(own).add(shared);
+  add_launch_options(desc, e.launch);
+
+  const std::vector<std::string> args = with_check_values(argc, argv);
+  std::vector<char*> ptrs;
+  for (const std::string& a : args)
+    ptrs.push_back(const_cast<char*>(a.c_str()));
+  po::variables_map& vm = p.vm;
+  std::vector<std::string> first;
+  if (!compare_value.empty()) first = {"--" + compare_key, compare_value};
+  parse_command_line(int(ptrs.size()), ptrs.data(), desc, vm, first);
+  if (help || version) {
+    if (world_rank() == 0) {
+      if (help) std::cout << desc << "\n";
+      if (version) std::cout << w.program() << " " << DATTN_VERSION << "\n";
+    }
+    p.answered = true;
+    return p;
+  }
+
+  if (d.one_process) {
+    resolve_one_process(e.launch);
+  } else {
+    e.launch.runs_on_cuda = d.runs_on_cuda;
+    resolve_launch_options(e.launch, d.default_tp);
+  }
+  const std::string iters_name = cat("--", split_list(d.iters_option)[0]);
+  require_option(e.iters >= 1, iters_name.c_str(), e.iters, ">= 1");
+  require_option(e.warmup >= 0, "--warmup", e.warmup, ">= 0");
+  require_option(e.check == 0 || e.check == 1, "--check", e.check, "0 or 1");
+  require_option(e.threads >= d.min_threads, "--threads", e.threads, cat(">= ", d.min_threads));
+  if (vm.count("compare")) {
+    const size_t eq = e.compare.find('=');
+    const std::string key = e.compare.substr(0, eq);
+    const std::vector<std::string> values =
+        eq == std::string::npos ? std::vector<std::string>{} : split_list(e.compare.substr(eq + 1));
+    const bool values_ok =
+        values.size() >= 2 &&
+        std::none_of(values.begin(), values.end(), [](const std::string& v) { return v.empty(); });
+    require_option(values_ok && !key.empty() && !engine_option(key) &&
+                       desc.find_nothrow(key, false) != nullptr,
+                   "--compare", e.compare,
+                   "KEY=A,B[,...]: KEY a long option of the workload, two or more values");
+    e.compare_key = key;
+    e.compare_values = values;
+  }
+  e.compare_value = compare_value;
+  w.resolve(vm, e);
+  return p;
+}
+
+// Runs every case of one workload, printing its tables; returns the rows.
+std::vector<Row> run_cases(Workload& w, Bench& b) {
+  const auto tables = w.tables(b);
+  std::vector<Row> rows;
+  int current = -1;
+  for (const Case& c : w.cases(b)) {
+    DATTN_ASSERT(c.table >= 0 && size_t(c.table) < tables.size());
+    const report::Table table(tables[size_t(c.table)]);
+    if (b.root() && c.table != current) {
+      table.print_heading(stdout);
+      std::fflush(stdout);
+    }
+    current = c.table;
+    for (Row& r : w.run(b, c)) {
+      if (b.root()) {
+        table.print_row(stdout, r.cells);
+        std::fflush(stdout);
+      }
+      rows.push_back(std::move(r));
+    }
+  }
+  return rows;
+}
+
+// One --compare value: the largest case under KEY = value.
+struct Compared {
+  std::string value;
+  std::string label;
+  double time_ms = 0;
+  uint64_t wrong = 0;
+};
+
+Compared run_compare(const WorkloadEntry& entry, int argc, char** argv, const EngineOptions& base,
+                     const std::string& value) {
+  Parsed p = parse(entry, argc, argv, base.compare_key, value);
+  Runtime rt = Runtime::from_mpi(p.d.one_process ? MPI_COMM_SELF : MPI_COMM_WORLD,
+                                 p.w->runtime_options(p.e));
+  Bench b(rt, p.e);
+  b.note(cat("compare ", base.compare_key, "=", value, ":"));
+  const std::vector<Row> rows = run_cases(*p.w, b);
+  Compared c;
+  c.value = value;
+  const std::vector<Case> cases = p.w->cases(b);
+  c.label = cases.empty() ? "" : cases.front().label;
+  c.time_ms = rows.empty() ? 0 : rows.front().result.time_ms;
+  for (const Row& r : rows)
+    c.wrong += r.wrong();
+  c.wrong += b.extra_wrong();
+  return c;
+}
+
+void dry_run(Workload& w, const EngineOptions& e) {
+  const double start = MPI_Wtime();
+  std::printf("# dattn %s plan (dry run, nothing computed), version %s\n", w.name(), DATTN_VERSION);
+  Plan plan(e);
+  w.plan(plan);
+  std::printf("# planned %d ranks in %.3f s\n", e.launch.world, MPI_Wtime() - start);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ the run
+
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& entry, int argc, char** argv) {
+  Parsed p = parse(entry, argc, argv);
+  if (p.answered) return std::nullopt;
+  return ParsedWorkload{std::move(p.w), std::move(p.e), std::move(p.vm)};
+}
+
+int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
+  Parsed p = parse(entry, argc, argv);
+  if (p.answered) return 0;
+  for (const std::string& v : p.e.compare_values)  // each rerun's options, before any run
+    parse(entry, argc, argv, p.e.compare_key, v);
+  Workload& w = *p.w;
+  const EngineOptions& e = p.e;
+  if (e.launch.dry_run) {
+    if (world_rank() == 0) dry_run(w, e);
+    return 0;
+  }
+
+  Runtime rt =
+      Runtime::from_mpi(p.d.one_process ? MPI_COMM_SELF : MPI_COMM_WORLD, w.runtime_options(e));
+  Bench b(rt, e);
+  const auto ranks = report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), rt.threads());
+  std::vector<std::string> config = w.config_lines(rt);
+  config.push_back(cat(split_list(p.d.iters_option)[0], " ", e.iters,
+                       p.d.warmup >= 0 ? cat(" warmup ", e.warmup) : "",
+                       p.d.has_check ? cat(" check ", e.check) : "",
+                       e.compare.empty() ? "" : " compare " + e.compare));
+  if (b.root()) {
+    report::print_header(stdout, w.title(), config, ranks);
+    std::fflush(stdout);
+  }
+  const std::vector<Row> rows = run_cases(w, b);
+  std::vector<Compared> compared;
+  for (const std::string& v : e.compare_values)
+    compared.push_back(run_compare(entry, argc, argv, e, v));
+
+  // ---------------------------------------------------------------- footer
+  uint64_t wrong = b.extra_wrong(), byte_mismatches = 0;
+  bool byte_checked = false;
+  double tflops = 0;
+  int tflops_rows = 0;
+  for (const Row& r : rows) {
+    wrong += r.wrong();
+    byte_mismatches += r.byte_mismatches;
+    byte_checked = byte_checked || r.byte_checked;
+    if (r.in_json && r.result.tflops_per_rank >= 0)
+      tflops += r.result.tflops_per_rank, ++tflops_rows;
+  }
+  for (const Compared& c : compared)
+    wrong += c.wrong;
+  if (tflops_rows > 0) tflops /= tflops_rows;
+  if (b.root()) {
+    report::print_footer_line(stdout, "Out of bounds values",
+                              std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
+    if (tflops_rows > 0)
+      report::print_footer_line(stdout, cat("Avg TFLOP/s ", b.per_unit()),
+                                report::fixed(tflops, 4));
+    if (byte_checked)
+      report::print_footer_line(
+          stdout, "Byte model mismatches",
+          cat(byte_mismatches, " ((rank, call) pairs whose counted bytes differ from the model)"));
+  }
+  report::JsonObject sections;
+  w.finish(b, rows, sections);
+  report::JsonObject jcompare;
+  if (!compared.empty()) {
+    const Compared& a = compared.front();
+    std::vector<std::string> values;
+    for (const Compared& c : compared) {
+      report::JsonObject j;
+      j.add("value", c.value).add("time_ms", c.time_ms).add("wrong", int64_t(c.wrong));
+      if (&c != &a) j.add("ratio", c.time_ms / a.time_ms);
+      values.push_back(j.str());
+      if (b.root() && &c != &a)
+        std::printf("# compare %s: %s/%s time ratio = %.2f (%s %.3f ms, %s %.3f ms; %s)\n",
+                    e.compare_key.c_str(), c.value.c_str(), a.value.c_str(), c.time_ms / a.time_ms,
+                    a.value.c_str(), a.time_ms, c.value.c_str(), c.time_ms, a.label.c_str());
+    }
+    jcompare.add("key", e.compare_key).add_raw("values", report::json_array(values));
+  }
+  if (b.root()) std::fflush(stdout);
+
+  // ---------------------------------------------------------------- JSON
+  if (b.root() && !e.json.empty()) {
+    report::JsonObject cfg;
+    cfg.add("program", w.program())
+        .add("version", DATTN_VERSION)
+        .add("ranks", rt.size())
+        .add("threads_per_rank", rt.threads())
+        .add("iters", e.iters)
+        .add("warmup", e.warmup)
+        .add("check", e.check == 1);
+    w.config_json(cfg);
+    cfg.add("with_cuda", bool(DATTN_WITH_CUDA)).add("with_nccl", bool(DATTN_WITH_NCCL));
+    if (b.per_gpu()) cfg.add("device", "cuda");  // one GPU per rank: per-rank figures are per GPU
+    std::vector<std::string> jrows;
+    for (const Row& r : rows) {
+      if (!r.in_json) continue;
+      report::ResultRow c = r.result;
+      c.wrong = r.has_wrong() ? int64_t(r.wrong()) : -1;
+      jrows.push_back(report::result_row(c).add_all(r.extra).str());
+    }
+    report::JsonObject top;
+    top.add_raw("config", cfg.str())
+        .add_raw("rows", report::json_array(jrows))
+        .add("wrong", int64_t(wrong))
+        .add("avg_tflops_per_rank", tflops);
+    if (byte_checked) top.add("byte_mismatches", int64_t(byte_mismatches));
+    top.add_all(sections);
+    if (!jcompare.empty()) top.add_raw("compare", jcompare.str());
+    report::write_text_file(e.json, top.str());
+  }
+  return wrong > 0 ? 1 : 0;
+}
+
+}  // namespace dattn::bench

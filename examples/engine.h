@@ -1,0 +1,308 @@
+// The benchmark engine, in the manner of nccl-tests: a Workload says what to run (its options,
+// its cases, each case's inputs, timed call, byte and FLOP models and reference check, its table
+// columns and plan); run_workload owns everything around it: option parsing (the shared options,
+// the launch options, --help, --version, --compare), the Runtime, warm-up, timing and progress
+// lines, the check statistics and #wrong, the tables, the footer, the JSON file and the dry run.
+//
+// The shared options, owned by the engine for every workload (a workload does not declare them):
+//   -n/--iters (its name and default from Defaults), -w/--warmup, -k/--check, -T/--threads,
+//   -J/--json, --compare KEY=A,B, -h/--help, -V/--version, and launch/options.h's options.
+// -k/--check defaults to 1 (unless Defaults::has_check is false): every workload's check runs by
+// default, so it must be cheap (a sample: a few rows per rank, one extra step); `-k 0` turns it
+// off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
+//
+// The flow of one run (rank 0 prints, every rank computes):
+//   header (report::print_header with Workload::config_lines), then for each Case of cases():
+//   Workload::run returns its Rows; a case whose table differs from the previous one prints that
+//   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
+//   values" (#wrong of every row and Bench::add_wrong), "Avg TFLOP/s per rank|GPU" (rows with
+//   tflops_per_rank >= 0), "Byte model mismatches" (rows with byte_checked), the Workload::finish
+//   lines, and the --compare summary; then the JSON file (-J). The exit code is 1 when #wrong > 0.
+#pragma once
+
+#include <boost/program_options.hpp>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collective/communicator.h"
+#include "examples/report.h"
+#include "launch/options.h"
+#include "src/base/dtype.h"
+#include "src/runtime.h"
+
+namespace dattn::bench {
+
+namespace po = boost::program_options;
+
+// ------------------------------------------------------------------ options
+
+// What a workload asks of the shared options.
+struct Defaults {
+  const char* iters_option = "iters,n";  // decode and mla: "steps,n" (the name users know)
+  const char* iters_help = "timed iterations";
+  int iters = 5;
+  int warmup = 1;             // -w default; < 0: the workload has no --warmup
+  int threads = 0;            // -T default (0: OMP_NUM_THREADS, else cores per rank)
+  int min_threads = 0;        // -T must be >= this
+  bool has_check = true;      // false: no -k (a workload with no reference, e.g. kernel)
+  int default_tp = 1;         // --tp when neither --tp nor --cp says
+  bool runs_on_cuda = false;  // LaunchOptions::runs_on_cuda: --device cuda is accepted
+  // One process: the grid is cp 1 x tp 1 whatever the job (--cp, --tp, --world-size must say 1,
+  // --device cpu); each rank of a larger job runs the workload alone on MPI_COMM_SELF.
+  bool one_process = false;
+};
+
+// The shared options as parsed and resolved (launch.cp, launch.tp, launch.world, launch.dev set).
+struct EngineOptions {
+  int iters = 5;
+  int warmup = 1;
+  int check = 1;
+  int threads = 0;
+  std::string json;                         // -J FILE, "" for none
+  std::string compare;                      // --compare as given
+  std::string compare_key;                  // its KEY: a long option of the workload
+  std::vector<std::string> compare_values;  // its A,B (two or more values)
+  LaunchOptions launch;
+  // In a --compare rerun: the value of compare_key this run has. The workload's cases() then
+  // returns its largest case only (see Workload::cases).
+  std::string compare_value;
+  bool comparing() const { return !compare_value.empty(); }
+};
+
+// ------------------------------------------------------------------ checks
+
+// |got - ref| <= abs + rel * |ref|.
+struct Tolerance {
+  double abs = 0, rel = 0;
+};
+
+// Element statistics of a reference check. compare() counts one element: an infinite got or ref
+// (an lse of a row that sees no key) must equal the other exactly; a NaN is always wrong.
+struct CheckStats {
+  uint64_t checked = 0;  // elements compared
+  uint64_t wrong = 0;    // elements over tolerance
+  double max_err = 0;    // largest finite |got - ref|
+  void compare(double got, double ref, const Tolerance& tol);
+  // Sums checked and wrong, maxes max_err over every rank of MPI_COMM_WORLD. Collective.
+  CheckStats reduced() const;
+};
+
+// ------------------------------------------------------------------ timing
+
+// One timed call of a case: Bench::time runs prepare (untimed), a barrier, call (timed: it must
+// return when the work has finished, bench_device.h's synchronize), then compares the bytes this
+// rank's communicators counted in the call with model_bytes.
+struct TimedCall {
+  std::function<void()> call;
+  std::function<void(int step)> prepare;                 // optional; step counts warm-up ones too
+  std::function<uint64_t()> model_bytes;                 // optional: no byte check without it
+  std::function<uint64_t(const ByteCounters&)> counted;  // default: data_bytes()
+  int warmup = -1, iters = -1;                           // -1: the engine's -w and -n
+  const char* unit = "iterations";                       // progress lines: "3/6 iterations"
+};
+
+// What Bench::time measured, over every rank.
+struct Timing {
+  double mean_ms = 0;             // max over ranks of the rank's mean over the timed calls
+  double step_mean_ms = 0;        // mean over the timed calls of the slowest rank's time
+  double p50_ms = 0, p99_ms = 0;  // nearest-rank percentiles of the slowest rank's times
+  double best_ms = 0;             // fastest timed call of the slowest rank
+  std::vector<double> step_ms;    // the slowest rank's time of each timed call, in order
+  double sent_mb = 0;             // bytes counted per timed call, max over ranks (1 MB = 1e6 B)
+  double model_mb = 0;            // model_bytes per timed call, max over ranks
+  uint64_t byte_mismatches = 0;   // (rank, call) pairs, warm-up included, counted != model
+  bool byte_checked = false;      // model_bytes was given
+};
+
+// ------------------------------------------------------------------ rows
+
+// One row of a table and of the JSON "rows".
+struct Row {
+  std::vector<std::string> cells;  // one per column of its case's table
+  // The JSON row's common keys. result.wrong: the elements over tolerance of the row's check
+  // (plus whatever else the workload counts as wrong there); < 0 when no check ran. wrong()
+  // adds byte_mismatches to it for the #wrong cell (wrong_cell), the footer and the JSON.
+  report::ResultRow result;
+  report::JsonObject extra;      // the JSON row's own keys, after the common ones
+  bool in_json = true;           // false: table only (e.g. star's accuracy rows)
+  uint64_t byte_mismatches = 0;  // Timing::byte_mismatches: "Byte model mismatches" and #wrong
+  bool byte_checked = false;     // Timing::byte_checked
+  // max(result.wrong, 0) + byte_mismatches.
+  uint64_t wrong() const;
+  // Whether anything was checked: result.wrong >= 0 or byte_mismatches > 0 (else #wrong N/A).
+  bool has_wrong() const;
+  // Copies t's bytes into the row: byte_checked, byte_mismatches, result.sent_mb_per_rank and
+  // result.model_mb_per_rank.
+  void take_bytes(const Timing& t);
+  // The check of out and lse on this rank, reduced over every rank (collective): result.wrong
+  // (their wrong elements) and the JSON keys checked_elements, max_err_out, max_err_lse.
+  // Returns the reduced statistics.
+  std::pair<CheckStats, CheckStats> take_check(const CheckStats& out, const CheckStats& lse);
+};
+
+// The #wrong cell: the row's wrong(), or "N/A" when !has_wrong().
+std::string wrong_cell(const Row& r);
+
+// ------------------------------------------------------------------ the run's services
+
+class Bench {
+ public:
+  Bench(Runtime& rt, const EngineOptions& opts);
+  Runtime& rt() { return rt_; }
+  const EngineOptions& opts() const { return opts_; }
+  bool root() const { return rt_.rank() == 0; }
+  bool check() const { return opts_.check != 0; }
+  // Each rank drives one GPU (--device cuda): throughput reads "per GPU", tolerances may widen.
+  bool per_gpu() const { return !rt_.device().is_cpu(); }
+  // "per GPU" or "per rank", for column units and footer labels.
+  const char* per_unit() const { return per_gpu() ? "per GPU" : "per rank"; }
+  // "# <line>" on rank 0, flushed (what a long phase is doing).
+  void note(const std::string& line) const;
+  // Warm-up and timed calls of c, with progress lines named `what`. Collective.
+  Timing time(const std::string& what, const TimedCall& c);
+  // #wrong found outside any row (e.g. a cross-strategy comparison's disagreements).
+  void add_wrong(uint64_t n) { extra_wrong_ += n; }
+  uint64_t extra_wrong() const { return extra_wrong_; }
+
+ private:
+  Runtime& rt_;
+  const EngineOptions& opts_;
+  uint64_t extra_wrong_ = 0;
+};
+
+// Collective over MPI_COMM_WORLD: max or sum of a value over every rank.
+double allreduce_max(double v);
+uint64_t allreduce_max(uint64_t v);
+uint64_t allreduce_sum(uint64_t v);
+// Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
+double percentile(const std::vector<double>& sorted, double p);
+// Peak resident set of this process so far (ru_maxrss), in MiB.
+double peak_rss_mib();
+// The rank of this process in MPI_COMM_WORLD.
+int world_rank();
+// Option checks every workload makes, throwing UsageError (require_option's message):
+// --dtype NAME as a DType ("fp32, bf16 or fp16");
+DType dtype_option(const std::string& name);
+// --heads, --kv-heads (dividing --heads and divisible by --tp), --head-dim, each >= 1;
+void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp);
+// value one of `allowed` ("invalid --layout = X: expected contiguous, zigzag or striped").
+void require_one_of(const char* option, const std::string& value,
+                    const std::vector<std::string>& allowed);
+// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
+std::vector<std::string> split_list(const std::string& s, char sep = ',');
+// "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
+std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
+
+// ------------------------------------------------------------------ the dry run
+
+// What --dry-run prints, on rank 0 only (no Runtime: --world-size may exceed the job). The
+// engine prints "# dattn <name> plan (dry run, nothing computed), version V" first and
+// "# planned W ranks in T s" last. Per-rank tables stay bounded: shown(n) is the indices the plan
+// prints out of n (all when n <= 16, else the first 8 and the last 8), so that a plan at 1024
+// ranks does O(ranks) model work and prints a screenful; a row for each shown index, and
+// skipped() between the runs of shown indices prints "#  ... N ranks not shown".
+class Plan {
+ public:
+  explicit Plan(const EngineOptions& opts) : opts_(opts) {}
+  const EngineOptions& opts() const { return opts_; }
+  void line(const std::string& text) const;  // "# <text>"
+  // The grid's lines: "world W ranks = cp P x tp T ...; <what>", the cp and tp communicators
+  // (then `groups`, e.g. a hybrid's), and the device rule.
+  void grid(const std::string& what, const std::string& groups = "") const;
+  void table(const std::vector<report::Column>& columns);  // prints its heading
+  void row(const std::vector<std::string>& cells) const;
+  void skipped(int64_t n) const;
+  static std::vector<int> shown(int n);
+  // f(i) for each shown i of n, with skipped() where indices are left out.
+  void for_shown(int n, const std::function<void(int)>& f) const;
+
+ private:
+  const EngineOptions& opts_;
+  std::unique_ptr<report::Table> table_;
+};
+
+// ------------------------------------------------------------------ the workload
+
+// One case of a run: a row (or a few) of one table.
+struct Case {
+  int table = 0;      // index into Workload::tables()
+  std::string label;  // progress lines and --compare: "prefill seq 65536"
+  int64_t index = 0;  // the workload's own (e.g. which sequence length)
+};
+
+class Workload {
+ public:
+  virtual ~Workload() = default;
+
+  // ---- identity and options
+  virtual const char* name() const = 0;     // "prefill": dattn-run's word, the JSON "workload"
+  virtual const char* program() const = 0;  // "dattn-prefill-bench"
+  virtual const char* summary() const = 0;  // one line for --help and dattn-run --help
+  virtual const char* title() const = 0;    // the header's "dattn prefill benchmark"
+  virtual Defaults defaults() const { return {}; }
+  // The workload's own options (the shared ones are the engine's), bound to its members.
+  virtual void add_options(po::options_description& desc) = 0;
+  // After parsing and resolving the shared options: validates and derives the workload's
+  // options; throws UsageError (require_option) naming the option, the same on every rank.
+  virtual void resolve(const po::variables_map& vm, const EngineOptions& e) = 0;
+
+  // ---- the run
+  // The Runtime's options: by default the grid, device and threads of e.
+  virtual RuntimeOptions runtime_options(const EngineOptions& e) const;
+  // The header's configuration lines (after "# <title>, version V"; the engine adds a line of
+  // the shared options). By default one line: the grid and threads, then config_json's words.
+  virtual std::vector<std::string> config_lines(Runtime& rt) const;
+  // The workload's keys of the JSON "config" (after program, version, ranks, threads_per_rank,
+  // iters, warmup, check; before with_cuda, with_nccl, device).
+  virtual void config_json(report::JsonObject& cfg) const = 0;
+  // The tables, in Case::table order. Called after the Runtime exists (units may say per GPU).
+  virtual std::vector<std::vector<report::Column>> tables(const Bench& b) const = 0;
+  // What runs, in order. In a --compare rerun (e.opts().comparing()) only the largest case
+  // (its time is the first row's result.time_ms).
+  virtual std::vector<Case> cases(const Bench& b) const = 0;
+  // Runs one case: inputs, Bench::time, byte and FLOP models, the reference check (when
+  // b.check()); returns its rows (usually one). Collective.
+  virtual std::vector<Row> run(Bench& b, const Case& c) = 0;
+  // After the last case: the workload's footer lines (rank 0 prints; every rank calls it) and
+  // top-level JSON sections (add them to top; "config", "rows", "wrong", "avg_tflops_per_rank",
+  // "byte_mismatches" (with a byte check), "compare" are the engine's).
+  virtual void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
+    (void)b, (void)rows, (void)top;
+  }
+
+  // ---- the dry run
+  virtual void plan(Plan& p) const = 0;
+};
+
+// A registered workload: its factory (the engine makes a fresh one for each option set, e.g.
+// each --compare value).
+struct WorkloadEntry {
+  const char* name;
+  const char* program;
+  const char* summary;
+  std::unique_ptr<Workload> (*make)();
+};
+
+// Parses argv (argv[0] names the program), then runs the dry run or the benchmark; the exit code
+// (1 when #wrong > 0). Throws UsageError on bad options (run_program prints it once). Called
+// inside run_program (MPI up).
+int run_workload(const WorkloadEntry& w, int argc, char** argv);
+
+// A workload parsed and resolved from a command line as run_workload does it, nothing run (the
+// fuzzers use it): the workload, the shared options and the options as given; nullopt when
+// --help or --version was answered. Throws UsageError. Called with MPI up.
+struct ParsedWorkload {
+  std::unique_ptr<Workload> workload;
+  EngineOptions options;
+  po::variables_map vm;
+};
+std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& w, int argc, char** argv);
+
+// The workload files each define their factory (examples/workloads.cpp lists them):
+//   std::unique_ptr<Workload> make_prefill_workload();  (prefill_bench.cpp), and so on.
+
+}  // namespace dattn::bench

@@ -33,12 +33,12 @@ constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
 // buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
 // the largest shard's K and V (none on one rank); allgather the whole context's K and V.
-double extra_bytes_model(Strategy s, const KvCache& cache, int64_t s_q) {
+double extra_bytes_model(DecodeStrategy s, const KvCache& cache, int64_t s_q) {
   const AttnSpec& spec = cache.spec();
-  if (s == Strategy::tree)
+  if (s == DecodeStrategy::tree)
     return double(cache.batch() * s_q * spec.heads_q * (spec.dim_v() + 1) * 8);
-  int64_t tokens = s == Strategy::ring ? 0 : cache.length();
-  for (int r = 0; s == Strategy::ring && cache.ranks() > 1 && r < cache.ranks(); ++r)
+  int64_t tokens = s == DecodeStrategy::ring ? 0 : cache.length();
+  for (int r = 0; s == DecodeStrategy::ring && cache.ranks() > 1 && r < cache.ranks(); ++r)
     tokens = std::max(tokens, 2 * cache.local_len(r));
   return double(cache.batch() * tokens * spec.heads_kv * (spec.head_dim + spec.dim_v()) *
                 dtype_size(cache.dtype()));
@@ -100,12 +100,12 @@ class DecodeWorkload final : public Workload {
     placement_ = last ? Placement::last_rank : Placement::round_robin;
     // In the order of least extra memory first (peak RSS only grows); as many found as given.
     const std::string list = cat(",", strategies_str_, ",");
-    for (Strategy s : {Strategy::tree, Strategy::ring, Strategy::allgather})
+    for (DecodeStrategy s : {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather})
       if (list.find(cat(",", strategy_name(s), ",")) != std::string::npos) strategies_.push_back(s);
     require_option(strategies_.size() + 1 == size_t(std::count(list.begin(), list.end(), ',')),
                    "--strategies", strategies_str_,
                    "a comma-separated list of tree, ring and allgather, each at most once");
-    for (Strategy s : strategies_)
+    for (DecodeStrategy s : strategies_)
       names_ += cat(names_.empty() ? "" : ",", strategy_name(s));
     require_option(e.launch.device != "cuda" || dtype_ != DType::f32, "--dtype", dtype_name_,
                    "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
@@ -155,7 +155,7 @@ class DecodeWorkload final : public Workload {
 
   std::vector<Row> run(Bench& b, const Case& c) override {
     Runtime& rt = b.rt();
-    const Strategy strategy = strategies_[size_t(c.index)];
+    const DecodeStrategy strategy = strategies_[size_t(c.index)];
     const char* name = strategy_name(strategy);
     const int P = rt.cp_size(), r = rt.cp_rank();
     const AttnSpec spec = make_spec(rt.tp_size());
@@ -255,9 +255,9 @@ class DecodeWorkload final : public Workload {
     }
     // tree against ring (the target) and allgather: times faster (mean, p50) and fewer bytes.
     std::optional<bool> met;  // set when tree and ring both ran
-    for (Strategy other : {Strategy::ring, Strategy::allgather}) {
-      if (!timing_.count(Strategy::tree) || !timing_.count(other)) continue;
-      const Timing &t = timing_[Strategy::tree], &o = timing_[other];
+    for (DecodeStrategy other : {DecodeStrategy::ring, DecodeStrategy::allgather}) {
+      if (!timing_.count(DecodeStrategy::tree) || !timing_.count(other)) continue;
+      const Timing &t = timing_[DecodeStrategy::tree], &o = timing_[other];
       const double mean = o.step_mean_ms / t.step_mean_ms, p50 = o.p50_ms / t.p50_ms;
       const double bytes = o.sent_mb / t.sent_mb;
       b.note(cat("tree vs ", strategy_name(other), ": latency ", fixed(mean, 1),
@@ -265,7 +265,7 @@ class DecodeWorkload final : public Workload {
       report::JsonObject j;
       j.add("latency_mean", mean).add("latency_p50", p50).add("bytes", bytes);
       top.add_raw(cat("tree_vs_", strategy_name(other)), j.str());
-      if (other == Strategy::ring) met = mean >= 8 && bytes >= 100;
+      if (other == DecodeStrategy::ring) met = mean >= 8 && bytes >= 100;
     }
     const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && context_ == 262144 &&
                         dtype_ == DType::f32 && heads_ == 8 && kv_heads_ == 2 && head_dim_ == 128 &&
@@ -316,7 +316,7 @@ class DecodeWorkload final : public Workload {
     for (const char* name : {"context", "decoded"})
       cols.push_back({name, "(tokens)", 9});
     cols.insert(cols.end(), {{"q_heads", "", 9}, {"kv_heads", "", 9}});
-    for (Strategy s : strategies_)
+    for (DecodeStrategy s : strategies_)
       cols.push_back({strategy_name(s), "(KB/step)", 12});
     cols.push_back({"positions", "(context runs, then decoded)", 0});
     p.line(cat("per rank: context (", layout_, " layout) and decoded tokens (", steps_total(),
@@ -376,7 +376,7 @@ class DecodeWorkload final : public Workload {
   int node_size_ = 0;
   DType dtype_ = DType::f32;
   Placement placement_ = Placement::round_robin;
-  std::vector<Strategy> strategies_;
+  std::vector<DecodeStrategy> strategies_;
   std::string names_;  // strategies_ as "tree,ring"
   EngineOptions e_;
   // What the run found: the model's node size, the check's reference, bounds, first result and
@@ -387,7 +387,7 @@ class DecodeWorkload final : public Workload {
   std::optional<Partial> first_;
   DecodeCheck vs_ref_, vs_first_;
   Tolerance tol_out_, tol_lse_;
-  std::map<Strategy, Timing> timing_;
+  std::map<DecodeStrategy, Timing> timing_;
 };
 
 }  // namespace

@@ -79,13 +79,13 @@ class Prefill final : public Workload {
     require_option(seq_factor_ >= 2 || seq_end_ == seq_begin_, "--seq-factor", seq_factor_,
                    ">= 2 (or --seq-end equal to --seq-begin)");
     dtype_ = dtype_option(dtype_name_);
+    bool known = true;
     try {
       strategy_ = parse_strategy(strategy_name_);
     } catch (const Error&) {
+      known = false;
     }
-    require_option(strategy_ == Strategy::ring || strategy_ == Strategy::ulysses ||
-                       strategy_ == Strategy::hybrid,
-                   "--strategy", strategy_name_,
+    require_option(known, "--strategy", strategy_name_,
                    "ring, ulysses or hybrid (tree and allgather decode: dattn-decode-bench)");
     // The Ulysses degree, over the cp ranks of one tp slice (its heads).
     const int64_t G = kv_heads_ / T;

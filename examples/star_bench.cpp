@@ -410,12 +410,13 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
       q = tokens(in, kQ, rt, pos0);
     };
     call.call = [&] {
-      res[i].push_back(i == 0 ? star_decode(rt, q, cache) : decode(rt, q, cache, Strategy::tree));
+      res[i].push_back(i == 0 ? star_decode(rt, q, cache)
+                              : decode(rt, q, cache, DecodeStrategy::tree));
     };
     const int nodes = rt.spans_nodes() ? rt.node().size() : 0;
     call.model_bytes = [&] {
       return i == 0 ? star_decode_send_bytes(cache, new_tokens_, r)
-                    : decode_send_bytes(Strategy::tree, cache, new_tokens_, nodes, r);
+                    : decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, nodes, r);
     };
     t[i] = b.time(i == 0 ? "star phase 2 star_decode" : "star phase 2 tree decode", call);
   }
@@ -542,14 +543,14 @@ void StarWorkload::plan(Plan& p) const {
     std::vector<std::string> runs;
     for (const Run& run : l.runs(c))
       if (run.length > 0) runs.push_back(report::run_desc(run));
-    p.row({std::to_string(w), std::to_string(c), std::to_string(t), std::to_string(len),
-           std::to_string((len + block_ - 1) / block_),
-           anchor_ > 0 && len > 0 && l.global_position(c, 0) == 0 ? "holds" : "-",
-           report::index_range(t * Hl, Hl), report::index_range(t * Gl, Gl),
-           fixed(flops(c) / 1e9, 3), fixed(mb(c), 3),
-           fixed(double(star_decode_send_bytes(cache, new_tokens_, c)) / 1e3, 3),
-           fixed(double(decode_send_bytes(Strategy::tree, cache, new_tokens_, 0, c)) / 1e3, 3),
-           runs.empty() ? "-" : report::join(runs, " ")});
+    p.row(
+        {std::to_string(w), std::to_string(c), std::to_string(t), std::to_string(len),
+         std::to_string((len + block_ - 1) / block_),
+         anchor_ > 0 && len > 0 && l.global_position(c, 0) == 0 ? "holds" : "-",
+         report::index_range(t * Hl, Hl), report::index_range(t * Gl, Gl), fixed(flops(c) / 1e9, 3),
+         fixed(mb(c), 3), fixed(double(star_decode_send_bytes(cache, new_tokens_, c)) / 1e3, 3),
+         fixed(double(decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, 0, c)) / 1e3, 3),
+         runs.empty() ? "-" : report::join(runs, " ")});
   });
 }
 

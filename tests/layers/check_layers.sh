@@ -7,6 +7,9 @@
 #   src/ (the rest)   layout, runtime, API, strategies, dispatch, models, C API: src/, kernels/,
 #                     collective/ (never launch/, examples/, tests/, python/)
 #   python/           the binding: python/, src/, kernels/, collective/
+#   launch/           program support (main wrapper, launch options): launch/ and the library
+#   examples/         the benchmark engine and workloads: examples/, launch/ and the library
+#   launch/run.cpp, tests/: programs on top of everything
 # An include without a folder names a file beside the includer. Usage: check_layers.sh [ROOT]
 set -euo pipefail
 cd "${1:-.}"
@@ -26,7 +29,10 @@ allowed_for() {
     collective/*) echo "collective/ src/base/" ;;
     src/*) echo "src/ kernels/ collective/" ;;
     python/*) echo "python/ src/ kernels/ collective/" ;;
-    *) echo "" ;;  # launch/, examples/, tests/: programs on top of the library
+    launch/run.cpp) echo "" ;;  # dattn-run: the program over every workload
+    launch/*) echo "launch/ src/ kernels/ collective/" ;;
+    examples/*) echo "examples/ launch/ src/ kernels/ collective/" ;;
+    *) echo "" ;;  # tests/: programs on top of the library
   esac
 }
 

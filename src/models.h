@@ -1,5 +1,7 @@
 // FLOP and byte models: what a workload should cost, written down so benchmarks can report
 // throughput from them and tests can assert that a strategy moves exactly what its model says.
+// Each costs O(runs) per pair of ranks (closed forms, not tile walks); a byte count beyond 64 bits
+// throws dattn::Error naming its factors.
 #pragma once
 
 #include <cstdint>

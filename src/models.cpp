@@ -18,11 +18,10 @@ namespace dattn {
 
 namespace {
 
-// Tile and score counts, and positions plus windows: none of them fits int64 near its limits.
+// Tile and score counts, and positions plus windows, which leave int64 near its limits.
 __extension__ typedef __int128 Wide;
 
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-
 constexpr Wide kInf = Wide(kMax) * 4;  // beyond every position plus any window
 
 // Sum over m in [0, n) of floor((a * m + b) / c), for a, b >= 0 and c > 0, by Euclid's reduction:

@@ -48,12 +48,11 @@ double pairs_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSpec& 
   return f / (double(seq_q) * double(seq_k)) * pairs;
 }
 
-AttnSpec member_spec(const AttnSpec& spec, int U) {
-  AttnSpec sub = spec;
-  sub.heads_q = spec.heads_q / U;
-  sub.heads_kv = spec.heads_kv / U;
-  sub.softmax_scale = spec.scale();
-  return sub;
+// One Ulysses member's heads (the models do not read the scale).
+AttnSpec member_spec(AttnSpec spec, int U) {
+  spec.heads_q /= U;
+  spec.heads_kv /= U;
+  return spec;
 }
 
 // Every kTileQ x kTileK tile of every pair of runs that Mask::cover does not hide.

@@ -54,8 +54,8 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
                                        int ulysses, int rank);
 
 // Whether, at ring step `step`, the block that started on rank `origin` must be sent on to the
-// next rank: some rank it has still to reach holds a query that sees it. Shared by the ring
-// schedule and its byte model.
+// next rank: some rank it has still to reach holds a query that sees it. The ring schedules'
+// rule; the byte models count the same hops for every block at once.
 bool ring_forwards(const Layout& layout, const Mask& mask, int origin, int step);
 
 }  // namespace dattn

@@ -1,5 +1,7 @@
 // FLOP and byte models: what a workload should cost, written down so benchmarks can report
 // throughput from them and tests can assert that a strategy moves exactly what its model says.
+// Each costs O(runs) per pair of ranks (closed forms, not tile walks); a byte count beyond 64 bits
+// throws dattn::Error naming its factors.
 #pragma once
 
 #include <cstdint>
@@ -53,8 +55,8 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
                                        int ulysses, int rank);
 
 // Whether, at ring step `step`, the block that started on rank `origin` must be sent on to the
-// next rank: some rank it has still to reach holds a query that sees it. Shared by the ring
-// schedule and its byte model.
+// next rank: some rank it has still to reach holds a query that sees it. The ring schedules'
+// rule; the byte models count the same hops for every block at once.
 bool ring_forwards(const Layout& layout, const Mask& mask, int origin, int step);
 
 // ------------------------------------------------------------------ star attention (src/star.h)

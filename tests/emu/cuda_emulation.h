@@ -3,8 +3,10 @@
 // softmax and the merge. Included first (-include) by the emulated build of the kernels' .cu
 // files (tests/emu/CMakeLists.txt), which then compile as plain C++.
 //
-// Each CUDA thread of a block is a fiber (ucontext) on one host thread, run round-robin until it
-// reaches a synchronisation point: __syncthreads, or a warp-collective instruction. The warp
+// Each CUDA thread of a block is a fiber on one host thread, run round-robin until it reaches a
+// synchronisation point: __syncthreads, or a warp-collective instruction. A switch between fibers
+// saves the callee-saved registers and the stack pointer (fiber_switch.cpp on x86-64; ucontext
+// elsewhere, which also saves the signal mask with a system call per switch). The warp
 // collectives are emulated from their PTX ISA definitions ("Matrix Fragments for
 // mma.m16n8k16", "ldmatrix", "shfl.sync"): each lane puts its operands in a slot, the warp
 // meets, and each lane computes its own results from every lane's slots. cp.async is a plain
@@ -21,7 +23,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -48,8 +52,17 @@ namespace dattn::emu {
 
 // ---------------------------------------------------------------- the block being run
 
+#if defined(__x86_64__)
+// A fiber's saved context: its stack pointer, the registers pushed below it (fiber_switch.cpp).
+struct Context {
+  void* sp = nullptr;
+};
+#else
+using Context = ucontext_t;
+#endif
+
 struct Fiber {
-  ucontext_t ctx{};
+  Context ctx{};
   std::unique_ptr<char[]> stack;
   bool done = false;
   uint64_t collectives = 0;  // warp collectives this lane has entered (their slot parity)
@@ -69,7 +82,7 @@ struct Block {
   std::vector<unsigned char> smem;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
-  ucontext_t scheduler{};
+  Context scheduler{};
   const std::function<void()>* body = nullptr;
 };
 
@@ -78,15 +91,29 @@ inline Block*& block() {
   return b;
 }
 
-inline void fail(const char* what) {
+[[noreturn]] inline void fail(const char* what) {
   std::fprintf(stderr, "cuda emulation: %s\n", what);
   std::abort();
 }
 
+#if defined(__x86_64__)
+}  // namespace dattn::emu
+// Saves this context in *from and continues the one saved in to (fiber_switch.cpp).
+extern "C" void dattn_emu_switch(dattn::emu::Context* from, const dattn::emu::Context* to);
+namespace dattn::emu {
+inline void switch_to(Context& from, const Context& to) {
+  dattn_emu_switch(&from, &to);
+}
+#else
+inline void switch_to(Context& from, const Context& to) {
+  if (swapcontext(&from, &to) != 0) fail("swapcontext");
+}
+#endif
+
 // Back to the scheduler; returns when this fiber is resumed.
 inline void yield() {
   Block& b = *block();
-  if (swapcontext(&b.fibers[size_t(b.current)].ctx, &b.scheduler) != 0) fail("swapcontext");
+  switch_to(b.fibers[size_t(b.current)].ctx, b.scheduler);
 }
 
 inline int thread_rank() {
@@ -154,20 +181,44 @@ inline void fiber_main() {
     w.arrived = 0;
     ++w.generation;
   }
-}  // returns to uc_link: the scheduler
+}
 
-// The context switches, each in a function of its own: getcontext returns twice, and a caller's
-// locals could be clobbered (-Wclobbered) if it were inlined into a loop.
-[[gnu::noinline]] inline void start_fiber(Fiber& f, size_t stack_bytes, ucontext_t* link) {
+#if defined(__x86_64__)
+// A new fiber's first instructions: its thread, then back to the scheduler for good.
+[[noreturn]] inline void fiber_entry() {
+  fiber_main();
+  Block& b = *block();
+  switch_to(b.fibers[size_t(b.current)].ctx, b.scheduler);
+  fail("a finished fiber was resumed");
+}
+
+// A stack whose first switch to it returns into fiber_entry, as if called: below the top, a
+// return address for fiber_entry (never used), fiber_entry, and the six registers
+// dattn_emu_switch pops.
+inline void start_fiber(Fiber& f, size_t stack_bytes, Context*) {
+  const uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack.get()) + stack_bytes) / 16 * 16;
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;
+  *--sp = reinterpret_cast<void*>(&fiber_entry);
+  for (int i = 0; i < 6; ++i)
+    *--sp = nullptr;
+  f.ctx.sp = sp;
+}
+#else
+// The ucontext switches, each in a function of its own: getcontext returns twice, and a caller's
+// locals could be clobbered (-Wclobbered) if it were inlined into a loop. A fiber that returns
+// continues at uc_link: the scheduler.
+[[gnu::noinline]] inline void start_fiber(Fiber& f, size_t stack_bytes, Context* link) {
   if (getcontext(&f.ctx) != 0) fail("getcontext");
   f.ctx.uc_stack.ss_sp = f.stack.get();
   f.ctx.uc_stack.ss_size = stack_bytes;
   f.ctx.uc_link = link;
   makecontext(&f.ctx, fiber_main, 0);
 }
+#endif
 [[gnu::noinline]] inline void resume_fiber(Block& b, int t) {
   b.current = t;
-  if (swapcontext(&b.scheduler, &b.fibers[size_t(t)].ctx) != 0) fail("swapcontext");
+  switch_to(b.scheduler, b.fibers[size_t(t)].ctx);
 }
 
 // Runs body as every thread of every block of the grid, one block after the other (blocks
@@ -296,13 +347,25 @@ namespace dattn::cuda::detail {
 //   C (16x8, f32):  c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1)
 // with the lower index of every 16-bit pair in the low half of its register.
 
+// The fp16 -> fp32 conversion of cuda_fp16.h, looked up: its host version works bit by bit.
+inline float half_value(uint16_t bits) {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) {
+      __half_raw raw;
+      raw.x = uint16_t(i);
+      t[i] = __half2float(__half(raw));
+    }
+    return t;
+  }();
+  return table[bits];
+}
+
 template <typename T>
 inline float emu_value(uint32_t reg, int half) {
   const uint16_t bits = uint16_t(reg >> (16 * half));
   if constexpr (std::is_same_v<T, __half>) {
-    __half_raw raw;
-    raw.x = bits;
-    return __half2float(__half(raw));
+    return half_value(bits);
   } else {
     const uint32_t u = uint32_t(bits) << 16;
     float f;
@@ -311,21 +374,27 @@ inline float emu_value(uint32_t reg, int half) {
   }
 }
 
+// This lane's rows g and g + 8 of A and columns 2t and 2t + 1 of B, converted once; each of its
+// four results is then summed in k order, as one lane of the instruction would.
 template <typename T>
 inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
   const auto s = ::dattn::emu::exchange(mine, 6);
   const int lane = ::dattn::emu::thread_rank() % 32, g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float sum = 0.f;
-    for (int k = 0; k < 16; ++k) {
-      const int a_lane = 4 * (row % 8) + (k % 8) / 2, a_reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      const int b_lane = 4 * col + (k % 8) / 2, b_reg = 4 + (k >= 8 ? 1 : 0);
-      sum += emu_value<T>(s[a_lane][a_reg], k & 1) * emu_value<T>(s[b_lane][b_reg], k & 1);
+  float rows[2][16], cols[2][16];
+  for (int k = 0; k < 16; ++k) {
+    const int a_lane = 4 * g + (k % 8) / 2, hi = k >= 8 ? 1 : 0;
+    for (int h = 0; h < 2; ++h) {
+      rows[h][k] = emu_value<T>(s[a_lane][h + 2 * hi], k & 1);
+      cols[h][k] = emu_value<T>(s[4 * (2 * t + h) + (k % 8) / 2][4 + hi], k & 1);
     }
-    d[i] += sum;
   }
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+  for (int k = 0; k < 16; ++k)
+    for (int i = 0; i < 4; ++i)
+      sum[i] += rows[i / 2][k] * cols[i % 2][k];
+  for (int i = 0; i < 4; ++i)
+    d[i] += sum[i];
 }
 
 // ldmatrix .x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; register i of lane l gets

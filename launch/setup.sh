@@ -15,15 +15,18 @@ say() { echo "dattn setup: $*"; }
 die() { echo "dattn setup: error: $*" >&2; exit 1; }
 
 # ---------------------------------------------------------------- Debian packages
-# The compiler and build tools, Open MPI, Boost.Program_options (the CLI), GoogleTest/GoogleMock,
+# The compiler and build tools (ccache: a rebuild, or another checkout's build, reuses what was
+# compiled before), Open MPI, Boost.Program_options (the CLI), Boost.Context (the
+# fibers of the CUDA emulation's threads, tests/emu), GoogleTest/GoogleMock,
 # OpenBLAS with its pthread variant (the CPU tile GEMMs; without it the reference BLAS is used,
 # ~50x slower), clang-format for the format check, clang with its sanitizer and libFuzzer
 # runtimes and its OpenMP (the fuzz build, DATTN_FUZZ), and, for Debian's /usr/bin/python3,
 # matplotlib for the charts of launch/plot.py and what the Python binding (python/) builds and
 # is tested with: its headers, pybind11, numpy and torch (CPU).
-packages=(cmake g++ make libopenmpi-dev openmpi-bin libboost-program-options-dev libgtest-dev
-          libgmock-dev libopenblas-dev libopenblas0-pthread clang-format clang libclang-rt-dev
-          libomp-dev python3-matplotlib python3-dev pybind11-dev python3-numpy python3-torch)
+packages=(cmake g++ make ccache libopenmpi-dev openmpi-bin libboost-program-options-dev
+          libboost-context-dev libgtest-dev libgmock-dev libopenblas-dev libopenblas0-pthread
+          clang-format clang libclang-rt-dev libomp-dev python3-matplotlib python3-dev
+          pybind11-dev python3-numpy python3-torch)
 # Thrust (kernels/movement, OMP backend): the CUDA toolkit's CCCL when it is there, else Debian's.
 if [[ ! -f /usr/local/cuda/include/cccl/thrust/version.h ]]; then
   packages+=(libthrust-dev libcub-dev)
@@ -61,6 +64,13 @@ fi
 
 # ---------------------------------------------------------------- configure and build
 cmake_args=(-S "$repo" -B "$build_dir" -DCMAKE_BUILD_TYPE="$build_type")
+# ccache for every compiler; paths inside the checkout count as relative, so that a fresh clone
+# elsewhere (CI's) hits what this one compiled.
+if command -v ccache >/dev/null 2>&1; then
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$repo} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+  cmake_args+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+               -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 # CMake finds nvcc on PATH by itself; the toolkit's usual place is not on PATH in a fresh shell.
 if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
   cmake_args+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)

@@ -4,9 +4,9 @@
 // files (tests/emu/CMakeLists.txt), which then compile as plain C++.
 //
 // Each CUDA thread of a block is a fiber on one host thread, run round-robin until it reaches a
-// synchronisation point: __syncthreads, or a warp-collective instruction. A switch between fibers
-// saves the callee-saved registers and the stack pointer (fiber_switch.cpp on x86-64; ucontext
-// elsewhere, which also saves the signal mask with a system call per switch). The warp
+// synchronisation point: __syncthreads, or a warp-collective instruction. The fibers are
+// Boost.Context's (a switch saves a few registers, with no system call, unlike ucontext's
+// swapcontext, which saves the signal mask), on stacks the launch allocates once. The warp
 // collectives are emulated from their PTX ISA definitions ("Matrix Fragments for
 // mma.m16n8k16", "ldmatrix", "shfl.sync"): each lane puts its operands in a slot, the warp
 // meets, and each lane computes its own results from every lane's slots. cp.async is a plain
@@ -23,9 +23,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#if !defined(__x86_64__)
-#include <ucontext.h>
-#endif
+
+#include <boost/context/fiber.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -52,17 +51,8 @@ namespace dattn::emu {
 
 // ---------------------------------------------------------------- the block being run
 
-#if defined(__x86_64__)
-// A fiber's saved context: its stack pointer, the registers pushed below it (fiber_switch.cpp).
-struct Context {
-  void* sp = nullptr;
-};
-#else
-using Context = ucontext_t;
-#endif
-
 struct Fiber {
-  Context ctx{};
+  boost::context::fiber self;  // this thread, while suspended
   std::unique_ptr<char[]> stack;
   bool done = false;
   uint64_t collectives = 0;  // warp collectives this lane has entered (their slot parity)
@@ -82,7 +72,7 @@ struct Block {
   std::vector<unsigned char> smem;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
-  Context scheduler{};
+  boost::context::fiber scheduler;  // the launch loop, while a thread runs
   const std::function<void()>* body = nullptr;
 };
 
@@ -96,24 +86,10 @@ inline Block*& block() {
   std::abort();
 }
 
-#if defined(__x86_64__)
-}  // namespace dattn::emu
-// Saves this context in *from and continues the one saved in to (fiber_switch.cpp).
-extern "C" void dattn_emu_switch(dattn::emu::Context* from, const dattn::emu::Context* to);
-namespace dattn::emu {
-inline void switch_to(Context& from, const Context& to) {
-  dattn_emu_switch(&from, &to);
-}
-#else
-inline void switch_to(Context& from, const Context& to) {
-  if (swapcontext(&from, &to) != 0) fail("swapcontext");
-}
-#endif
-
 // Back to the scheduler; returns when this fiber is resumed.
 inline void yield() {
   Block& b = *block();
-  switch_to(b.fibers[size_t(b.current)].ctx, b.scheduler);
+  b.scheduler = std::move(b.scheduler).resume();
 }
 
 inline int thread_rank() {
@@ -183,42 +159,33 @@ inline void fiber_main() {
   }
 }
 
-#if defined(__x86_64__)
-// A new fiber's first instructions: its thread, then back to the scheduler for good.
-[[noreturn]] inline void fiber_entry() {
-  fiber_main();
-  Block& b = *block();
-  switch_to(b.fibers[size_t(b.current)].ctx, b.scheduler);
-  fail("a finished fiber was resumed");
-}
+// Gives a fiber the stack its thread owns for the whole launch, so that starting a block's
+// threads allocates nothing (Boost.Context's StackAllocator concept).
+struct ThreadStack {
+  char* base;
+  size_t size;
+  boost::context::stack_context allocate() {
+    boost::context::stack_context s;
+    s.size = size;
+    s.sp = base + size;  // stacks grow down from the top
+    return s;
+  }
+  void deallocate(boost::context::stack_context&) noexcept {}
+};
 
-// A stack whose first switch to it returns into fiber_entry, as if called: below the top, a
-// return address for fiber_entry (never used), fiber_entry, and the six registers
-// dattn_emu_switch pops.
-inline void start_fiber(Fiber& f, size_t stack_bytes, Context*) {
-  const uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack.get()) + stack_bytes) / 16 * 16;
-  void** sp = reinterpret_cast<void**>(top);
-  *--sp = nullptr;
-  *--sp = reinterpret_cast<void*>(&fiber_entry);
-  for (int i = 0; i < 6; ++i)
-    *--sp = nullptr;
-  f.ctx.sp = sp;
+// A fiber that runs its thread once resumed, then returns to the scheduler for good.
+inline void start_fiber(Fiber& f, size_t stack_bytes) {
+  f.self = boost::context::fiber(std::allocator_arg, ThreadStack{f.stack.get(), stack_bytes},
+                                 [](boost::context::fiber&& scheduler) {
+                                   block()->scheduler = std::move(scheduler);
+                                   fiber_main();
+                                   return std::move(block()->scheduler);
+                                 });
 }
-#else
-// The ucontext switches, each in a function of its own: getcontext returns twice, and a caller's
-// locals could be clobbered (-Wclobbered) if it were inlined into a loop. A fiber that returns
-// continues at uc_link: the scheduler.
-[[gnu::noinline]] inline void start_fiber(Fiber& f, size_t stack_bytes, Context* link) {
-  if (getcontext(&f.ctx) != 0) fail("getcontext");
-  f.ctx.uc_stack.ss_sp = f.stack.get();
-  f.ctx.uc_stack.ss_size = stack_bytes;
-  f.ctx.uc_link = link;
-  makecontext(&f.ctx, fiber_main, 0);
-}
-#endif
-[[gnu::noinline]] inline void resume_fiber(Block& b, int t) {
+inline void resume_fiber(Block& b, int t) {
   b.current = t;
-  switch_to(b.scheduler, b.fibers[size_t(t)].ctx);
+  Fiber& f = b.fibers[size_t(t)];
+  f.self = std::move(f.self).resume();
 }
 
 // Runs body as every thread of every block of the grid, one block after the other (blocks
@@ -251,7 +218,7 @@ inline void launch(dim3 grid, dim3 threads, size_t smem_bytes, const std::functi
           Fiber& f = b.fibers[size_t(t)];
           f.done = false;
           f.collectives = 0;
-          start_fiber(f, kStack, &b.scheduler);
+          start_fiber(f, kStack);
         }
         while (b.alive > 0) {
           bool ran = false;

@@ -228,6 +228,12 @@ struct DecodeCheck {
                         ref_out[((b * Sq + j) * Hr + h0 + h) * D + d], tol_out);
         }
   }
+  // {"checked", "wrong", "max_err_out", "max_err_lse"}.
+  std::string json() const {
+    report::JsonObject j;
+    j.add("checked", int64_t(out.checked + lse.checked)).add("wrong", int64_t(wrong()));
+    return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
+  }
   // Summed (errors: maxed) over every rank of MPI_COMM_WORLD. Collective.
   DecodeCheck reduced() const { return {out.reduced(), lse.reduced()}; }
   // other's counts added, the larger errors kept.

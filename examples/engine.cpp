@@ -36,6 +36,16 @@ uint64_t allreduce_sum(uint64_t v) {
   return v;
 }
 
+Spread spread(int n, const std::function<double(int)>& f) {
+  Spread s;
+  for (int r = 0; r < n; ++r) {
+    const double v = f(r);
+    s.max = std::max(s.max, v), s.sum += v;
+  }
+  if (s.sum > 0) s.imbalance = s.max / (s.sum / n);
+  return s;
+}
+
 double percentile(const std::vector<double>& sorted, double p) {
   const size_t n = sorted.size();
   const size_t k = std::clamp<size_t>(size_t(std::ceil(p / 100.0 * double(n))), 1, n);
@@ -88,13 +98,43 @@ DType dtype_option(const std::string& name) {
   return DType::f32;
 }
 
-void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp) {
+void Shape::add_options(po::options_description& desc) {
+  // clang-format off
+  desc.add_options()
+    ("batch,b", po::value(&batch)->default_value(batch), "batch size B")
+    ("heads,H", po::value(&heads)->default_value(heads), "query heads H_q")
+    ("kv-heads,G", po::value(&kv_heads)->default_value(kv_heads),
+     "key/value heads H_kv (H_q must be a multiple)")
+    ("head-dim,d", po::value(&head_dim)->default_value(head_dim), "head dimension D")
+    ("dtype,t", po::value(&dtype_name)->default_value(dtype_name),
+     "storage dtype: fp32, bf16 or fp16");
+  // clang-format on
+}
+
+void Shape::resolve(int tp_size) {
+  tp = tp_size;
+  require_option(batch >= 1, "--batch", batch, ">= 1");
   require_option(heads >= 1, "--heads", heads, ">= 1");
   require_option(kv_heads >= 1 && heads % kv_heads == 0, "--kv-heads", kv_heads,
                  cat(">= 1 and dividing --heads (", heads, ")"));
   require_option(kv_heads % tp == 0, "--kv-heads", kv_heads,
                  cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
   require_option(head_dim >= 1, "--head-dim", head_dim, ">= 1");
+  dtype = dtype_option(dtype_name);
+}
+
+AttnSpec Shape::spec(Mask mask) const {
+  return {.heads_q = heads / tp, .heads_kv = kv_heads / tp, .head_dim = head_dim, .mask = mask};
+}
+
+std::string Shape::words() const {
+  return cat("dtype ", dattn::dtype_name(dtype), " batch ", batch, " heads ", heads, " kv-heads ",
+             kv_heads, " head-dim ", head_dim);
+}
+
+void Shape::json(report::JsonObject& cfg) const {
+  cfg.add("dtype", dattn::dtype_name(dtype)).add("batch", batch).add("heads", heads);
+  cfg.add("kv_heads", kv_heads).add("head_dim", head_dim);
 }
 
 void require_one_of(const char* option, const std::string& value,

@@ -32,6 +32,7 @@
 #include "examples/report.h"
 #include "launch/options.h"
 #include "src/base/dtype.h"
+#include "src/base/spec.h"
 #include "src/runtime.h"
 
 namespace dattn::bench {
@@ -178,24 +179,45 @@ class Bench {
 double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
+// The max, the sum and the max / mean (1 when the sum is 0) of f(0 .. n-1), e.g. a model over
+// ranks.
+struct Spread {
+  double max = 0, sum = 0, imbalance = 1;
+};
+Spread spread(int n, const std::function<double(int)>& f);
 // Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
 double percentile(const std::vector<double>& sorted, double p);
 // Peak resident set of this process so far (ru_maxrss), in MiB.
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.
 int world_rank();
-// Option checks every workload makes, throwing UsageError (require_option's message):
-// --dtype NAME as a DType ("fp32, bf16 or fp16");
+// --dtype NAME as a DType, else UsageError ("fp32, bf16 or fp16").
 DType dtype_option(const std::string& name);
-// --heads, --kv-heads (dividing --heads and divisible by --tp), --head-dim, each >= 1;
-void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp);
-// value one of `allowed` ("invalid --layout = X: expected contiguous, zigzag or striped").
+// Option checks throwing UsageError (require_option's message): value one of `allowed` ("invalid
+// --layout = X: expected contiguous, zigzag or striped").
 void require_one_of(const char* option, const std::string& value,
                     const std::vector<std::string>& allowed);
 // "a,b,c" -> the items, empty ones kept (so that they can be rejected).
 std::vector<std::string> split_list(const std::string& s, char sep = ',');
 // "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
 std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
+
+// The attention shape options of prefill, decode and star: -b/--batch, -H/--heads,
+// -G/--kv-heads, -d/--head-dim, -t/--dtype. resolve checks them for --tp (each >= 1, --kv-heads
+// dividing --heads and divisible by --tp) and parses the dtype, throwing UsageError.
+struct Shape {
+  int64_t batch = 1, heads = 8, kv_heads = 2, head_dim = 128;
+  std::string dtype_name = "fp32";
+  DType dtype = DType::f32;
+  int tp = 1;
+  void add_options(po::options_description& desc);
+  void resolve(int tp);
+  // One tp rank's heads (heads / tp query heads, kv_heads / tp key/value heads) under mask.
+  AttnSpec spec(Mask mask = Mask::causal()) const;
+  // "dtype T batch B heads H kv-heads G head-dim D", and the same as JSON config keys.
+  std::string words() const;
+  void json(report::JsonObject& cfg) const;
+};
 
 // ------------------------------------------------------------------ the dry run
 

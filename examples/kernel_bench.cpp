@@ -82,11 +82,7 @@ class Kernel final : public Workload {
     require_option(seq_ >= 1, "--seq", seq_, ">= 1");
     require_option(mask_ == "none" || mask_ == "causal", "--mask", mask_, "none or causal");
     require_option(gemm_n_ >= 1, "--gemm-n", gemm_n_, ">= 1");
-    try {
-      dtype_ = parse_dtype(dtype_name_);
-    } catch (const Error&) {
-      require_option(false, "--dtype", dtype_name_, "fp32, bf16 or fp16");
-    }
+    dtype_ = dtype_option(dtype_name_);
     const auto seqs = rss_text_.empty() ? std::vector<int64_t>{} : parse_int_list(rss_text_);
     require_option(
         seqs && std::all_of(seqs->begin(), seqs->end(), [](int64_t s) { return s >= 1; }),

@@ -46,10 +46,6 @@ double extra_bytes_model(DecodeStrategy s, const KvCache& cache, int64_t s_q) {
 
 class DecodeWorkload final : public Workload {
  public:
-  const char* name() const override { return "decode"; }
-  const char* program() const override { return "dattn-decode-bench"; }
-  const char* summary() const override { return "decoding over a sharded KV cache"; }
-  const char* title() const override { return "dattn decode benchmark"; }
   Defaults defaults() const override {  // --device cuda runs every strategy (resolve: the dtype)
     Defaults d{"steps,n", "timed decode steps per strategy", 20, 2};
     d.runs_on_cuda = true;

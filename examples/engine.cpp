@@ -369,9 +369,9 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
   e.threads = d.threads;
   e.check = d.has_check ? 1 : 0;
   bool help = false, version = false;
-  po::options_description desc(
-      cat(w.program(), ": ", w.summary(), "\nusage: mpiexec -n P ", w.program(), " [options]"));
-  po::options_description own(cat(w.name(), " options"));
+  po::options_description desc(cat(entry.program, ": ", entry.summary, "\nusage: mpiexec -n P ",
+                                   entry.program, " [options]"));
+  po::options_description own(cat(entry.name, " options"));
   w.add_options(own);
   po::options_description shared("benchmark options (shared by every workload)");
   auto add = shared.add_options();
@@ -405,7 +405,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
   if (help || version) {
     if (world_rank() == 0) {
       if (help) std::cout << desc << "\n";
-      if (version) std::cout << w.program() << " " << DATTN_VERSION << "\n";
+      if (version) std::cout << entry.program << " " << DATTN_VERSION << "\n";
     }
     p.answered = true;
     return p;
@@ -493,9 +493,9 @@ Compared run_compare(const WorkloadEntry& entry, int argc, char** argv, const En
   return c;
 }
 
-void dry_run(Workload& w, const EngineOptions& e) {
+void dry_run(const char* name, Workload& w, const EngineOptions& e) {
   const double start = MPI_Wtime();
-  std::printf("# dattn %s plan (dry run, nothing computed), version %s\n", w.name(), DATTN_VERSION);
+  std::printf("# dattn %s plan (dry run, nothing computed), version %s\n", name, DATTN_VERSION);
   Plan plan(e);
   w.plan(plan);
   std::printf("# planned %d ranks in %.3f s\n", e.launch.world, MPI_Wtime() - start);
@@ -520,7 +520,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   Workload& w = *p.w;
   const EngineOptions& e = p.e;
   if (e.launch.dry_run) {
-    if (world_rank() == 0) dry_run(w, e);
+    if (world_rank() == 0) dry_run(entry.name, w, e);
     return 0;
   }
 
@@ -534,7 +534,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
                        p.d.has_check ? cat(" check ", e.check) : "",
                        e.compare.empty() ? "" : " compare " + e.compare));
   if (b.root()) {
-    report::print_header(stdout, w.title(), config, ranks);
+    report::print_header(stdout, cat("dattn ", entry.name, " benchmark"), config, ranks);
     std::fflush(stdout);
   }
   const std::vector<Row> rows = run_cases(w, b);
@@ -591,7 +591,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   // ---------------------------------------------------------------- JSON
   if (b.root() && !e.json.empty()) {
     report::JsonObject cfg;
-    cfg.add("program", w.program())
+    cfg.add("program", entry.program)
         .add("version", DATTN_VERSION)
         .add("ranks", rt.size())
         .add("threads_per_rank", rt.threads())

@@ -12,7 +12,7 @@
 // off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
 //
 // The flow of one run (rank 0 prints, every rank computes):
-//   header (report::print_header with Workload::config_lines), then for each Case of cases():
+//   header ("dattn <name> benchmark" and Workload::config_lines), then for each Case of cases():
 //   Workload::run returns its Rows; a case whose table differs from the previous one prints that
 //   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
 //   values" (#wrong of every row and Bench::add_wrong), "Avg TFLOP/s per rank|GPU" (rows with
@@ -260,11 +260,7 @@ class Workload {
  public:
   virtual ~Workload() = default;
 
-  // ---- identity and options
-  virtual const char* name() const = 0;     // "prefill": dattn-run's word, the JSON "workload"
-  virtual const char* program() const = 0;  // "dattn-prefill-bench"
-  virtual const char* summary() const = 0;  // one line for --help and dattn-run --help
-  virtual const char* title() const = 0;    // the header's "dattn prefill benchmark"
+  // ---- options (the name, program and summary are its WorkloadEntry's)
   virtual Defaults defaults() const { return {}; }
   // The workload's own options (the shared ones are the engine's), bound to its members.
   virtual void add_options(po::options_description& desc) = 0;
@@ -303,9 +299,9 @@ class Workload {
 // A registered workload: its factory (the engine makes a fresh one for each option set, e.g.
 // each --compare value).
 struct WorkloadEntry {
-  const char* name;
-  const char* program;
-  const char* summary;
+  const char* name;     // "prefill": dattn-run's word, the header's "dattn prefill benchmark"
+  const char* program;  // "dattn-prefill-bench"
+  const char* summary;  // one line for --help and dattn-run --help
   std::unique_ptr<Workload> (*make)();
 };
 

@@ -45,10 +45,6 @@ double mib(double bytes) {
 
 class Kernel final : public Workload {
  public:
-  const char* name() const override { return "kernel"; }
-  const char* program() const override { return "dattn-kernel-bench"; }
-  const char* summary() const override { return "the CPU kernel against sgemm, one process"; }
-  const char* title() const override { return "dattn kernel benchmark"; }
   Defaults defaults() const override {
     return {.iters_help = "timed iterations (best is kept)",
             .iters = 3,

@@ -30,12 +30,6 @@ constexpr int64_t kSampleRows = 8;  // query rows per rank the check compares
 
 class Prefill final : public Workload {
  public:
-  const char* name() const override { return "prefill"; }
-  const char* program() const override { return "dattn-prefill-bench"; }
-  const char* summary() const override {
-    return "distributed prefill: ring, ulysses or hybrid over any layout and mask";
-  }
-  const char* title() const override { return "dattn prefill benchmark"; }
   // Every strategy's forward runs on a GPU (the dtype checked in resolve).
   Defaults defaults() const override { return {.runs_on_cuda = true}; }
 

@@ -102,13 +102,6 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
 
 class StarWorkload final : public Workload {
  public:
-  const char* name() const override { return "star"; }
-  const char* program() const override { return "dattn-star-bench"; }
-  const char* summary() const override {
-    return "star attention, phase 1 (context encoding) against ring attention and its accuracy, "
-           "phase 2 (decode) against tree decode";
-  }
-  const char* title() const override { return "dattn star attention benchmark"; }
   Defaults defaults() const override {
     Defaults d;
     d.iters = 3;

@@ -152,16 +152,13 @@ class StarWorkload final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    const int P = rt.cp_size();
-    return {cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ",
-                rt.threads(), " seq ", seq_, " block ", block_, " anchor ", anchor_,
-                " mask causal sink ", sink_),
-            cat(shape_.words(), " iters ", e_.iters, " warmup ", e_.warmup, " new-tokens ",
-                new_tokens_, " steps ", steps_, " check ", e_.check),
-            cat("phase 1: star_prefill over ", Layout::blocks(seq_, P, block_).str(),
-                " vs ring attention over ", Layout::zigzag(seq_, P).str(), "; accuracy at seq ",
-                acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
-                scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : "")};
+    std::vector<std::string> lines = Workload::config_lines(rt);
+    lines.push_back(
+        cat("phase 1: star_prefill over ", Layout::blocks(seq_, rt.cp_size(), block_).str(),
+            " vs ring attention over ", Layout::zigzag(seq_, rt.cp_size()).str(),
+            "; accuracy at seq ", acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
+            scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : ""));
+    return lines;
   }
 
   void config_json(report::JsonObject& cfg) const override {
@@ -386,14 +383,11 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
   const double latency = star2.time_ms / tree.time_ms;
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
-  b.note("Check: every call's bytes must equal its model and block 0's rows of star's phase 1");
-  b.note(cat("  must equal exact attention (rel_err <= ", kRank0RelTol,
-             ", |lse diff| <= ", kRank0LseTol, "), else #wrong."));
+  b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",
+             "(rel_err <= ", kRank0RelTol, ", |lse diff| <= ", kRank0LseTol, ")"));
   if (b.check() && b.root()) {
-    b.note(cat("Check: every decode step on the query rank: star against tree within ", kSame.abs,
-               " + ", kSame.rel, "*|tree|,"));
-    b.note(
-        cat("  both against float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|, else #wrong."));
+    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSame.abs, " + ",
+               kSame.rel, "*|tree|, both vs float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|"));
     report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
     report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
     report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));

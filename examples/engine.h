@@ -15,7 +15,7 @@
 //   header ("dattn <name> benchmark" and Workload::config_lines), then for each Case of cases():
 //   Workload::run returns its Rows; a case whose table differs from the previous one prints that
 //   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
-//   values" (#wrong of every row and Bench::add_wrong), "Avg TFLOP/s per rank|GPU" (rows with
+//   values" (#wrong of every row), "Avg TFLOP/s per rank|GPU" (rows with
 //   tflops_per_rank >= 0), "Byte model mismatches" (rows with byte_checked), the Workload::finish
 //   lines, and the --compare summary; then the JSON file (-J). The exit code is 1 when #wrong > 0.
 #pragma once
@@ -165,14 +165,10 @@ class Bench {
   void note(const std::string& line) const;
   // Warm-up and timed calls of c, with progress lines named `what`. Collective.
   Timing time(const std::string& what, const TimedCall& c);
-  // #wrong found outside any row (e.g. a cross-strategy comparison's disagreements).
-  void add_wrong(uint64_t n) { extra_wrong_ += n; }
-  uint64_t extra_wrong() const { return extra_wrong_; }
 
  private:
   Runtime& rt_;
   const EngineOptions& opts_;
-  uint64_t extra_wrong_ = 0;
 };
 
 // Collective over MPI_COMM_WORLD: max or sum of a value over every rank.

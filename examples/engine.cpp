@@ -590,13 +590,9 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   // ---------------------------------------------------------------- JSON
   if (b.root() && !e.json.empty()) {
     report::JsonObject cfg;
-    cfg.add("program", entry.program)
-        .add("version", DATTN_VERSION)
-        .add("ranks", rt.size())
-        .add("threads_per_rank", rt.threads())
-        .add("iters", e.iters)
-        .add("warmup", e.warmup)
-        .add("check", e.check == 1);
+    cfg.add("program", entry.program).add("version", DATTN_VERSION).add("ranks", rt.size());
+    cfg.add("threads_per_rank", rt.threads()).add("iters", e.iters).add("warmup", e.warmup);
+    cfg.add("check", e.check == 1);
     w.config_json(cfg);
     cfg.add("with_cuda", bool(DATTN_WITH_CUDA)).add("with_nccl", bool(DATTN_WITH_NCCL));
     if (b.per_gpu()) cfg.add("device", "cuda");  // one GPU per rank: per-rank figures are per GPU
@@ -608,10 +604,8 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
       jrows.push_back(report::result_row(c).add_all(r.extra).str());
     }
     report::JsonObject top;
-    top.add_raw("config", cfg.str())
-        .add_raw("rows", report::json_array(jrows))
-        .add("wrong", int64_t(wrong))
-        .add("avg_tflops_per_rank", tflops);
+    top.add_raw("config", cfg.str()).add_raw("rows", report::json_array(jrows));
+    top.add("wrong", int64_t(wrong)).add("avg_tflops_per_rank", tflops);
     if (byte_checked) top.add("byte_mismatches", int64_t(byte_mismatches));
     top.add_all(sections);
     if (!jcompare.empty()) top.add_raw("compare", jcompare.str());

@@ -112,25 +112,19 @@ class Prefill final : public Workload {
   }
 
   void config_json(report::JsonObject& cfg) const override {
-    cfg.add("strategy", strategy_name(strategy_))
-        .add("ulysses_degree", ulysses_)
-        .add("layout", problem_.layout())
-        .add("stripe_block", problem_.stripe_block())
-        .add("documents", problem_.documents())
-        .add("mask", problem_.mask_desc(seqs_.front()));
+    cfg.add("strategy", strategy_name(strategy_)).add("ulysses_degree", ulysses_);
+    cfg.add("layout", problem_.layout()).add("stripe_block", problem_.stripe_block());
+    cfg.add("documents", problem_.documents()).add("mask", problem_.mask_desc(seqs_.front()));
     shape_.json(cfg);
     cfg.add("pass", backward_ ? "backward" : "forward");
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
-    return {{{"seq", "(tokens)", 9},
-             {"local_seq", "(tokens)", 10},
-             {"time", "(ms)", 11},
-             {"TFLOP/s", cat("(", b.per_unit(), ")"), 11},
-             {"imbal", "(max/mean)", 11},
-             {"sent", "(MB/rank)", 11},
-             {"model", "(MB/rank)", 11},
-             {"#wrong", "", 7}}};
+    // clang-format off
+    return {{{"seq", "(tokens)", 9}, {"local_seq", "(tokens)", 10}, {"time", "(ms)", 11},
+             {"TFLOP/s", cat("(", b.per_unit(), ")"), 11}, {"imbal", "(max/mean)", 11},
+             {"sent", "(MB/rank)", 11}, {"model", "(MB/rank)", 11}, {"#wrong", "", 7}}};
+    // clang-format on
   }
 
   std::vector<Case> cases(const Bench& b) const override {
@@ -186,9 +180,8 @@ class Prefill final : public Workload {
     row.result.tflops_per_rank = tflops;
     row.take_bytes(tm);
     const double imbal = flop_spread(p).imbalance;
-    row.extra.add("local_seq", p.layout.max_local_len())
-        .add("imbalance", imbal)
-        .add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
+    row.extra.add("local_seq", p.layout.max_local_len()).add("imbalance", imbal);
+    row.extra.add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
     if (b.check()) {
       const auto [out, lse] = check_rows(to_host(res), p, r, t, b.per_gpu());
       const auto [o, l] = row.take_check(out, lse);
@@ -260,15 +253,11 @@ class Prefill final : public Workload {
     const Problem last = problem(seqs_.back(), P);
     const Layout& layout = last.layout;
     pl.line(cat("per rank, seq ", seqs_.back(), ":"));
-    pl.table({{"rank", "", 6},
-              {"cp", "", 5},
-              {"tp", "", 4},
-              {"tokens", "(local)", 9},
-              {"q_heads", "", 9},
-              {"kv_heads", "", 9},
-              {"GFLOP", "(model)", 11},
-              {"send", "(MB)", 10},
+    // clang-format off
+    pl.table({{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}, {"tokens", "(local)", 9},
+              {"q_heads", "", 9}, {"kv_heads", "", 9}, {"GFLOP", "(model)", 11}, {"send", "(MB)", 10},
               {"global positions", "(runs)", 0}});
+    // clang-format on
     pl.for_shown(P * T, [&](int w) {
       const int c = w / T, tp = w % T;
       std::vector<std::string> runs;

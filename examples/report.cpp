@@ -236,12 +236,8 @@ std::string JsonObject::words() const {
 
 JsonObject result_row(const ResultRow& r) {
   JsonObject j;
-  j.add("workload", r.workload)
-      .add("strategy", r.strategy)
-      .add("layout", r.layout)
-      .add("seq", r.seq)
-      .add("ranks", r.ranks)
-      .add("time_ms", r.time_ms);
+  j.add("workload", r.workload).add("strategy", r.strategy).add("layout", r.layout);
+  j.add("seq", r.seq).add("ranks", r.ranks).add("time_ms", r.time_ms);
   if (r.tflops_per_rank >= 0)
     j.add("tflops_per_rank", r.tflops_per_rank);
   else

@@ -40,40 +40,45 @@ inline float input_value(uint64_t row, int64_t d, DType dtype) {
   return x;
 }
 
-// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`: the heads
-// head0 .. head0 + heads - 1 of the global tensor (a tensor-parallel rank's slice).
-inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t batch, int64_t heads,
-                         int64_t dim, DType dtype, int64_t head0 = 0) {
-  const int64_t len = layout.local_len(rank);
-  Tensor t = Tensor::empty({batch, len, heads, dim}, dtype);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < len; ++i) {
-      const int64_t pos = layout.global_position(rank, i);
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos, head0 + h);
-        const int64_t base = ((b * len + i) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d)
-          t.set(base + d, input_value(row, d, dtype));
-      }
-    }
+// One row of tensor `id` as stored: out[d] = input_value(row_key(id, b, pos, h), d, dtype), the
+// row function of make_rows and of the float64 reference (bench_reference.h).
+struct HashedRows {
+  DType dtype;
+  void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
+    const uint64_t key = row_key(id, b, pos, h);
+    for (int64_t d = 0; d < dim; ++d)
+      out[d] = input_value(key, d, dtype);
   }
-  return t;
-}
+};
 
-// The tokens at global positions pos0 .. pos0 + n - 1 of tensor `id`: [B, n, heads, dim], the
-// heads head0 .. head0 + heads - 1 of the global tensor (a decode step's new tokens).
-inline Tensor make_tokens(uint64_t id, int64_t pos0, int64_t n, int64_t batch, int64_t heads,
-                          int64_t dim, DType dtype, int64_t head0 = 0) {
-  Tensor t = Tensor::empty({batch, n, heads, dim}, dtype);
+// [B, n, heads, dim] of tensor `id` in dtype: row i at global position pos(i), heads
+// head0 .. head0 + heads - 1 of the global tensor (a tensor-parallel rank's slice), each written by
+// rows(id, b, pos, h, dim, out) in fp32 (values already rounded to dtype, so the cast is exact).
+template <typename Rows, typename Pos>
+Tensor make_rows(const Rows& rows, uint64_t id, int64_t batch, int64_t n, const Pos& pos,
+                 int64_t heads, int64_t head0, int64_t dim, DType dtype) {
+  Tensor t = Tensor::empty({batch, n, heads, dim}, DType::f32);
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t row = row_key(id, b, pos0 + i, head0 + h);
-        for (int64_t d = 0; d < dim; ++d)
-          t.set(((b * n + i) * heads + h) * dim + d, input_value(row, d, dtype));
-      }
-  return t;
+      for (int64_t h = 0; h < heads; ++h)
+        rows(id, b, pos(i), head0 + h, dim, t.ptr<float>() + ((b * n + i) * heads + h) * dim);
+  return dtype == DType::f32 ? t : t.to(dtype);
+}
+
+// This rank's shard [B, local_len, heads, dim] of tensor `id` under `layout`.
+inline Tensor make_shard(uint64_t id, const Layout& layout, int rank, int64_t batch, int64_t heads,
+                         int64_t dim, DType dtype, int64_t head0 = 0) {
+  const auto pos = [&](int64_t i) { return layout.global_position(rank, i); };
+  return make_rows(HashedRows{dtype}, id, batch, layout.local_len(rank), pos, heads, head0, dim,
+                   dtype);
+}
+
+// The tokens at global positions pos0 .. pos0 + n - 1 of tensor `id` (a decode step's new tokens).
+inline Tensor make_tokens(uint64_t id, int64_t pos0, int64_t n, int64_t batch, int64_t heads,
+                          int64_t dim, DType dtype, int64_t head0 = 0) {
+  const auto pos = [&](int64_t i) { return pos0 + i; };
+  return make_rows(HashedRows{dtype}, id, batch, n, pos, heads, head0, dim, dtype);
 }
 
 }  // namespace dattn::bench

@@ -4,7 +4,7 @@
 // memory). softmax_states keeps an online softmax state (max m, sum l, weighted sum acc) per
 // query row and head; merge_states combines the states of several ranks (each took some of the
 // chunks) into out and lse. decode_reference is the check of a decode step built on them, and
-// DecodeCheck compares a decode result with it (or with another result).
+// DecodeCheck compares a result with a reference (or with another result).
 #pragma once
 
 #include <mpi.h>
@@ -153,28 +153,6 @@ inline DecodeReference merge_states(const RefShape& s, int64_t R, const std::vec
   return ref;
 }
 
-// Compares rows of a result on the host, out [B, L, H_l, D_v] and lse [B, H_l, L], with a
-// reference of R = rows.size() rows over H >= H_l heads: result row rows[j] against reference row
-// j, result head h against reference head h0 + h (a tp rank's heads among all).
-inline void compare_rows(const Partial& res, const DecodeReference& ref,
-                         const std::vector<int64_t>& rows, int64_t h0, const Tolerance& tol_out,
-                         const Tolerance& tol_lse, CheckStats& out_stats, CheckStats& lse_stats) {
-  const int64_t B = res.out.size(0), L = res.out.size(1), Hl = res.out.size(2);
-  const int64_t Dv = res.out.size(3), R = int64_t(rows.size()),
-                H = int64_t(ref.lse.size()) / (B * R);
-  const float* out = res.out.ptr<float>();
-  const float* lse = res.lse.ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < R; ++j)
-      for (int64_t h = 0; h < Hl; ++h) {
-        const int64_t i = rows[size_t(j)], g = h0 + h;
-        lse_stats.compare(lse[(b * Hl + h) * L + i], ref.lse[size_t((b * H + g) * R + j)], tol_lse);
-        for (int64_t d = 0; d < Dv; ++d)
-          out_stats.compare(out[((b * L + i) * Hl + h) * Dv + d],
-                            ref.out[size_t(((b * R + j) * H + g) * Dv + d)], tol_out);
-      }
-}
-
 struct DecodeShape {
   int64_t batch, new_tokens, heads, kv_heads, head_dim;  // D_v = head_dim, scale 1/sqrt(D)
 };
@@ -202,9 +180,10 @@ DecodeReference decode_reference(const DecodeShape& o, int64_t length, uint64_t 
   return merge_states(s, o.new_tokens, all, P);
 }
 
-// A decode result checked element by element, out and lse apart: got (out [B, S_q, Hl, D_v],
-// lse [B, Hl, S_q]) against arrays of that layout with Hr heads, of which got's are
-// h0 .. h0 + Hl - 1 (a tensor-parallel rank's slice of a DecodeReference, or another result).
+// A result checked element by element, out and lse apart: the rows rows[j] (all of them, in order,
+// when rows is null) of got (out [B, L, Hl, D_v], lse [B, Hl, L]) against rows j of arrays of
+// that layout with Hr heads, got's heads being their h0 .. h0 + Hl - 1 (a tensor-parallel rank's
+// slice of a DecodeReference, or another result).
 struct DecodeCheck {
   CheckStats out, lse;
   uint64_t wrong() const { return out.wrong + lse.wrong; }
@@ -215,18 +194,26 @@ struct DecodeCheck {
   }
   template <typename T>
   void compare(const Partial& got, const T* ref_out, const T* ref_lse, int64_t Hr, int64_t h0,
-               const Tolerance& tol_out, const Tolerance& tol_lse) {
-    const int64_t B = got.lse.size(0), Hl = got.lse.size(1), Sq = got.lse.size(2);
-    const int64_t D = got.out.size(3);
+               const Tolerance& tol_out, const Tolerance& tol_lse,
+               const std::vector<int64_t>* rows = nullptr) {
+    const int64_t B = got.lse.size(0), Hl = got.lse.size(1), L = got.lse.size(2);
+    const int64_t D = got.out.size(3), R = rows ? int64_t(rows->size()) : L;
     const float *o = got.out.ptr<float>(), *l = got.lse.ptr<float>();
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < Hl; ++h)
-        for (int64_t j = 0; j < Sq; ++j) {
-          lse.compare(l[(b * Hl + h) * Sq + j], ref_lse[(b * Hr + h0 + h) * Sq + j], tol_lse);
+        for (int64_t j = 0; j < R; ++j) {
+          const int64_t i = rows ? (*rows)[size_t(j)] : j;
+          lse.compare(l[(b * Hl + h) * L + i], ref_lse[(b * Hr + h0 + h) * R + j], tol_lse);
           for (int64_t d = 0; d < D; ++d)
-            out.compare(o[((b * Sq + j) * Hl + h) * D + d],
-                        ref_out[((b * Sq + j) * Hr + h0 + h) * D + d], tol_out);
+            out.compare(o[((b * L + i) * Hl + h) * D + d],
+                        ref_out[((b * R + j) * Hr + h0 + h) * D + d], tol_out);
         }
+  }
+  // {"checked", "wrong", "max_err_out", "max_err_lse"}.
+  std::string json() const {
+    report::JsonObject j;
+    j.add("checked", int64_t(out.checked + lse.checked)).add("wrong", int64_t(wrong()));
+    return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
   }
   // Summed (errors: maxed) over every rank of MPI_COMM_WORLD. Collective.
   DecodeCheck reduced() const { return {out.reduced(), lse.reduced()}; }

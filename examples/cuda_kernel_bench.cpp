@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu/reference.h"
@@ -46,36 +47,48 @@ constexpr double kTarget = 0.40;  // kernel TFLOP/s / cuBLAS bf16 GEMM TFLOP/s
 // not have.
 
 struct Options {
-  int64_t seq = 16384;
-  int64_t heads = 16;
-  int64_t head_dim = 128;
-  int iters = 10;
-  int warmup = 3;
-  int64_t gemm_n = 8192;
+  int64_t seq = 16384, heads = 16, head_dim = 128, iters = 10, warmup = 3, gemm_n = 8192;
   int64_t check_seq = 300;
   std::string json;
 };
 
-void print_help(const Options& d) {
-  std::printf(
-      "dattn-cuda-kernel-bench: the CUDA attention forward (bf16, B=1) vs cuBLAS bf16 GEMM\n"
-      "options\n"
-      "  -s, --seq N        sequence length S (default %lld)\n"
-      "  -H, --heads N      heads (heads_kv = heads) (default %lld)\n"
-      "  -d, --head-dim N   head dimension D = D_v, 1 to 256 (default %lld)\n"
-      "  -n, --iters N      timed iterations (default %d)\n"
-      "  -w, --warmup N     untimed warm-up iterations (default %d)\n"
-      "  -g, --gemm-n N     cuBLAS GEMM size n (n x n x n) (default %lld)\n"
-      "  -c, --check-seq N  S of the correctness check vs the float64 reference (default %lld)\n"
-      "  -J, --json FILE    also write the rows as JSON to FILE\n"
-      "  -h, --help         print this help\n"
-      "  -V, --version      print the version\n",
-      static_cast<long long>(d.seq), static_cast<long long>(d.heads),
-      static_cast<long long>(d.head_dim), d.iters, d.warmup, static_cast<long long>(d.gemm_n),
-      static_cast<long long>(d.check_seq));
+// An integer option: -flag N / --name N, in [min, max].
+struct IntOption {
+  const char* name;
+  char flag;
+  int64_t* value;
+  int64_t min, max;
+  const char* help;
+};
+
+std::vector<IntOption> int_options(Options& o) {
+  constexpr int64_t kMax = INT64_MAX;
+  return {{"seq", 's', &o.seq, 1, kMax, "sequence length S"},
+          {"heads", 'H', &o.heads, 1, kMax, "heads (heads_kv = heads)"},
+          {"head-dim", 'd', &o.head_dim, 1, 256, "head dimension D = D_v, 1 to 256"},
+          {"iters", 'n', &o.iters, 1, INT32_MAX, "timed iterations"},
+          {"warmup", 'w', &o.warmup, 0, INT32_MAX, "untimed warm-up iterations"},
+          {"gemm-n", 'g', &o.gemm_n, 16, kMax, "cuBLAS GEMM size n (n x n x n)"},
+          {"check-seq", 'c', &o.check_seq, 1, kMax,
+           "S of the correctness check vs the float64 reference"}};
 }
 
-int64_t parse_int(const std::string& opt, const std::string& text, int64_t min) {
+void print_help() {
+  Options d;
+  std::printf(
+      "dattn-cuda-kernel-bench: the CUDA attention forward (bf16, B=1) vs cuBLAS bf16 GEMM\n"
+      "options\n");
+  for (const IntOption& i : int_options(d))
+    std::printf("  -%c, %-14s %s (default %lld)\n", i.flag,
+                ("--" + std::string(i.name) + " N").c_str(), i.help,
+                static_cast<long long>(*i.value));
+  std::printf(
+      "  -J, --json FILE    also write the rows as JSON to FILE\n"
+      "  -h, --help         print this help\n"
+      "  -V, --version      print the version\n");
+}
+
+int64_t parse_int(const IntOption& opt, const std::string& text) {
   size_t used = 0;
   long long v = 0;
   try {
@@ -83,68 +96,48 @@ int64_t parse_int(const std::string& opt, const std::string& text, int64_t min) 
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || text.empty() || v < min)
-    DATTN_THROW("invalid ", opt, " = '", text, "': expected an integer >= ", min);
+  if (used != text.size() || text.empty() || v < opt.min || v > opt.max)
+    DATTN_THROW("invalid --", opt.name, " = '", text, "': expected an integer >= ", opt.min,
+                opt.max < INT32_MAX ? " and <= " + std::to_string(opt.max) : "");
   return v;
 }
 
 // Returns false when --help or --version was answered. getopt_long (the C library's) gives the
 // short and long forms, "--opt v" and "--opt=v", and unambiguous prefixes.
 bool parse_options(int argc, char** argv, Options& o) {
-  const Options defaults;
-  static const option longs[] = {{"seq", required_argument, nullptr, 's'},
-                                 {"heads", required_argument, nullptr, 'H'},
-                                 {"head-dim", required_argument, nullptr, 'd'},
-                                 {"iters", required_argument, nullptr, 'n'},
-                                 {"warmup", required_argument, nullptr, 'w'},
-                                 {"gemm-n", required_argument, nullptr, 'g'},
-                                 {"check-seq", required_argument, nullptr, 'c'},
-                                 {"json", required_argument, nullptr, 'J'},
-                                 {"help", no_argument, nullptr, 'h'},
-                                 {"version", no_argument, nullptr, 'V'},
-                                 {nullptr, 0, nullptr, 0}};
+  const std::vector<IntOption> ints = int_options(o);
+  std::vector<option> longs;
+  std::string shorts = ":J:hV";
+  for (const IntOption& i : ints) {
+    longs.push_back({i.name, required_argument, nullptr, i.flag});
+    shorts += {i.flag, ':'};
+  }
+  longs.push_back({"json", required_argument, nullptr, 'J'});
+  longs.push_back({"help", no_argument, nullptr, 'h'});
+  longs.push_back({"version", no_argument, nullptr, 'V'});
+  longs.push_back({nullptr, 0, nullptr, 0});
   opterr = 0;  // errors are thrown below, naming the option
   optind = 1;
   int c = 0, at = 1;
-  while ((c = getopt_long(argc, argv, ":s:H:d:n:w:g:c:J:hV", longs, nullptr)) != -1) {
+  while ((c = getopt_long(argc, argv, shorts.c_str(), longs.data(), nullptr)) != -1) {
     const std::string arg = at < argc ? argv[at] : "";
     at = optind;
-    switch (c) {
-      case 'h':
-        print_help(defaults);
-        return false;
-      case 'V':
+    const auto i =
+        std::find_if(ints.begin(), ints.end(), [&](const IntOption& x) { return x.flag == c; });
+    if (i != ints.end()) {
+      *i->value = parse_int(*i, optarg);
+    } else if (c == 'h' || c == 'V') {
+      if (c == 'h')
+        print_help();
+      else
         std::printf("dattn-cuda-kernel-bench %s\n", DATTN_VERSION);
-        return false;
-      case 's':
-        o.seq = parse_int("--seq", optarg, 1);
-        break;
-      case 'H':
-        o.heads = parse_int("--heads", optarg, 1);
-        break;
-      case 'd':
-        o.head_dim = parse_int("--head-dim", optarg, 1);
-        if (o.head_dim > 256) DATTN_THROW("invalid --head-dim = ", o.head_dim, ": expected <= 256");
-        break;
-      case 'n':
-        o.iters = int(parse_int("--iters", optarg, 1));
-        break;
-      case 'w':
-        o.warmup = int(parse_int("--warmup", optarg, 0));
-        break;
-      case 'g':
-        o.gemm_n = parse_int("--gemm-n", optarg, 16);
-        break;
-      case 'c':
-        o.check_seq = parse_int("--check-seq", optarg, 1);
-        break;
-      case 'J':
-        o.json = optarg;
-        break;
-      case ':':
-        DATTN_THROW("option ", arg, " needs a value");
-      default:
-        DATTN_THROW("unknown option '", arg, "' (see --help)");
+      return false;
+    } else if (c == 'J') {
+      o.json = optarg;
+    } else if (c == ':') {
+      DATTN_THROW("option ", arg, " needs a value");
+    } else {
+      DATTN_THROW("unknown option '", arg, "' (see --help)");
     }
   }
   if (optind < argc) DATTN_THROW("unexpected argument '", argv[optind], "' (see --help)");
@@ -210,7 +203,7 @@ double time_cublas(const Options& o, Timing* t) {
   cublasHandle_t handle;
   BENCH_CUBLAS_CHECK(cublasCreate(&handle));
   const float alpha = 1.f, beta = 0.f;
-  *t = time_it(o.warmup, o.iters, [&] {
+  *t = time_it(int(o.warmup), int(o.iters), [&] {
     BENCH_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(n), int(n),
                                     &alpha, a.get(), CUDA_R_16BF, int(n), b.get(), CUDA_R_16BF,
                                     int(n), &beta, c.get(), CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F,
@@ -218,6 +211,21 @@ double time_cublas(const Options& o, Timing* t) {
   });
   BENCH_CUBLAS_CHECK(cublasDestroy(handle));
   return 2.0 * double(n) * double(n) * double(n) / (t->best_ms * 1e-3) / 1e12;
+}
+
+// The forward's block over [1, S, H_q or H_kv, D] bf16 q, k, v, D_v = D, scale 1/sqrt(D).
+dattn::cuda::AttentionBlock block(const void* q, const void* k, const void* v, int64_t S,
+                                  int64_t Hq, int64_t Hkv, int64_t D, bool causal) {
+  dattn::cuda::AttentionBlock blk;
+  blk.q = q, blk.k = k, blk.v = v;
+  blk.dtype = DType::bf16;
+  blk.batch = 1;
+  blk.seq_q = blk.seq_k = S;
+  blk.heads_q = Hq, blk.heads_kv = Hkv;
+  blk.head_dim = blk.head_dim_v = D;
+  blk.scale = 1.f / std::sqrt(float(D));
+  dattn::cuda::set_mask(blk, causal ? dattn::Mask::causal() : dattn::Mask::none());
+  return blk;
 }
 
 double attention_flops(const Options& o, bool causal) {
@@ -236,18 +244,9 @@ double time_attention(const Options& o, bool causal, Timing* t) {
   v.upload(random_bf16(elems, 13).data());
   DATTN_CUDA_CHECK(cudaMemset(out.get(), 0, elems * 4));
   lse.upload(std::vector<float>(size_t(o.heads * o.seq), -INFINITY).data());
-  dattn::cuda::AttentionBlock blk;
-  blk.q = q.get();
-  blk.k = k.get();
-  blk.v = v.get();
-  blk.dtype = DType::bf16;
-  blk.batch = 1;
-  blk.seq_q = blk.seq_k = o.seq;
-  blk.heads_q = blk.heads_kv = o.heads;
-  blk.head_dim = blk.head_dim_v = o.head_dim;
-  blk.scale = 1.f / std::sqrt(float(o.head_dim));
-  dattn::cuda::set_mask(blk, causal ? dattn::Mask::causal() : dattn::Mask::none());
-  *t = time_it(o.warmup, o.iters, [&] {
+  const dattn::cuda::AttentionBlock blk =
+      block(q.get(), k.get(), v.get(), o.seq, o.heads, o.heads, o.head_dim, causal);
+  *t = time_it(int(o.warmup), int(o.iters), [&] {
     dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr);
   });
   return attention_flops(o, causal) / (t->best_ms * 1e-3) / 1e12;
@@ -258,20 +257,16 @@ double time_attention(const Options& o, bool causal, Timing* t) {
 // tests/gpu/test_cuda_attention.cpp's bf16 check are counted as wrong.
 int64_t check_attention(const Options& o, bool causal) {
   const int64_t S = o.check_seq, Hq = 2, Hkv = 1, D = o.head_dim;
-  dattn::AttnSpec spec;
-  spec.heads_q = Hq;
-  spec.heads_kv = Hkv;
-  spec.head_dim = D;
-  spec.mask = causal ? dattn::Mask::causal() : dattn::Mask::none();
+  const dattn::AttnSpec spec{.heads_q = Hq,
+                             .heads_kv = Hkv,
+                             .head_dim = D,
+                             .mask = causal ? dattn::Mask::causal() : dattn::Mask::none()};
   dattn::Tensor q = dattn::Tensor::empty({1, S, Hq, D}, DType::bf16);
   dattn::Tensor k = dattn::Tensor::empty({1, S, Hkv, D}, DType::bf16);
   dattn::Tensor v = dattn::Tensor::empty({1, S, Hkv, D}, DType::bf16);
-  for (int64_t i = 0; i < q.numel(); ++i)
-    q.set(i, 2.f * uniform(21, uint64_t(i)));
-  for (int64_t i = 0; i < k.numel(); ++i)
-    k.set(i, 2.f * uniform(22, uint64_t(i)));
-  for (int64_t i = 0; i < v.numel(); ++i)
-    v.set(i, uniform(23, uint64_t(i)));
+  for (auto [t, seed, scale] : {std::tuple{&q, 21, 2.f}, {&k, 22, 2.f}, {&v, 23, 1.f}})
+    for (int64_t i = 0; i < t->numel(); ++i)
+      t->set(i, scale * uniform(uint64_t(seed), uint64_t(i)));
   DeviceBuffer dq(q.nbytes()), dk(k.nbytes()), dv(v.nbytes());
   dq.upload(q.data());
   dk.upload(k.data());
@@ -280,19 +275,8 @@ int64_t check_attention(const Options& o, bool causal) {
   DeviceBuffer out(h_out.size() * 4), lse(h_lse.size() * 4);
   out.upload(h_out.data());
   lse.upload(h_lse.data());
-  dattn::cuda::AttentionBlock blk;
-  blk.q = dq.get();
-  blk.k = dk.get();
-  blk.v = dv.get();
-  blk.dtype = DType::bf16;
-  blk.batch = 1;
-  blk.seq_q = blk.seq_k = S;
-  blk.heads_q = Hq;
-  blk.heads_kv = Hkv;
-  blk.head_dim = blk.head_dim_v = D;
-  blk.scale = spec.scale();
-  dattn::cuda::set_mask(blk, spec.mask);
-  dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr);
+  dattn::cuda::attention_forward(block(dq.get(), dk.get(), dv.get(), S, Hq, Hkv, D, causal),
+                                 out.get<float>(), lse.get<float>(), nullptr);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   out.download(h_out.data());
   lse.download(h_lse.data());
@@ -370,13 +354,12 @@ int run(int argc, char** argv) {
 
   // ---------------------------------------------------------------- header
   std::printf("# dattn CUDA kernel benchmark, version %s\n", DATTN_VERSION);
-  std::printf(
-      "# seq %lld heads %lld kv-heads %lld head-dim %lld dtype bf16 batch 1 iters %d warmup %d "
-      "gemm-n %lld check-seq %lld kernel %s\n",
-      static_cast<long long>(o.seq), static_cast<long long>(o.heads),
-      static_cast<long long>(o.heads), static_cast<long long>(o.head_dim), o.iters, o.warmup,
-      static_cast<long long>(o.gemm_n), static_cast<long long>(o.check_seq),
-      dattn::cuda::kernel_variant(DType::bf16, o.head_dim, o.head_dim).c_str());
+  std::printf("# %s\n", dattn::detail::cat(
+                            "seq ", o.seq, " heads ", o.heads, " kv-heads ", o.heads, " head-dim ",
+                            o.head_dim, " dtype bf16 batch 1 iters ", o.iters, " warmup ", o.warmup,
+                            " gemm-n ", o.gemm_n, " check-seq ", o.check_seq, " kernel ",
+                            dattn::cuda::kernel_variant(DType::bf16, o.head_dim, o.head_dim))
+                            .c_str());
   std::printf("# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n#\n# Using devices\n", DATTN_WITH_CUDA,
               DATTN_WITH_NCCL);
   std::printf("#  Rank  0 Pid %6d on %10s device cuda:%d %s (sm_%d%d, %d SMs, %.0f GiB)\n#\n",

@@ -46,10 +46,6 @@ double extra_bytes_model(DecodeStrategy s, const KvCache& cache, int64_t s_q) {
 
 class DecodeWorkload final : public Workload {
  public:
-  const char* name() const override { return "decode"; }
-  const char* program() const override { return "dattn-decode-bench"; }
-  const char* summary() const override { return "decoding over a sharded KV cache"; }
-  const char* title() const override { return "dattn decode benchmark"; }
   Defaults defaults() const override {  // --device cuda runs every strategy (resolve: the dtype)
     Defaults d{"steps,n", "timed decode steps per strategy", 20, 2};
     d.runs_on_cuda = true;
@@ -61,43 +57,25 @@ class DecodeWorkload final : public Workload {
       desc.add_options()(name, po::value(value)->default_value(*value), help);
     };
     add("context,x", &context_, "context length: tokens prefilled into the cache before decoding");
-    add("batch,b", &batch_, "batch size B");
-    add("heads,H", &heads_, "query heads H_q");
-    add("kv-heads,G", &kv_heads_, "key/value heads H_kv (H_q must be a multiple)");
-    add("head-dim,d", &head_dim_, "head dimension D");
     add("new-tokens,q", &new_tokens_, "new tokens S_q per step (queries, and K/V appended)");
-    add("dtype,t", &dtype_name_, "storage dtype of the cache and the queries: fp32, bf16 or fp16");
     add("strategies,a", &strategies_str_,
         "comma-separated decode strategies: tree, ring, allgather (always run in that order)");
     add("placement,p", &placement_name_, "who stores each decoded token: round_robin, last_rank");
     add("layout,l", &layout_, "layout of the prefilled context: contiguous, zigzag or striped");
     add("node-size", &node_size_,
         "ranks per node for the tree: 0 = the real nodes; N = fake nodes of N consecutive ranks");
+    shape_.add_options(desc);
   }
 
   void resolve(const po::variables_map&, const EngineOptions& e) override {
     e_ = e;
-    using Size = std::pair<const char*, int64_t>;
-    for (auto [option, v] : {Size{"--context", context_}, Size{"--batch", batch_},
-                             Size{"--heads", heads_}, Size{"--kv-heads", kv_heads_},
-                             Size{"--head-dim", head_dim_}, Size{"--new-tokens", new_tokens_}})
-      require_option(v >= 1, option, v, ">= 1");
-    require_option(heads_ % kv_heads_ == 0, "--kv-heads", kv_heads_,
-                   cat(">= 1 and dividing --heads (", heads_, ")"));
-    require_option(kv_heads_ % e.launch.tp == 0, "--kv-heads", kv_heads_,
-                   cat("divisible by --tp (", e.launch.tp, "): tp splits the heads"));
+    require_option(context_ >= 1, "--context", context_, ">= 1");
+    shape_.resolve(e.launch.tp);
+    require_option(new_tokens_ >= 1, "--new-tokens", new_tokens_, ">= 1");
     require_option(node_size_ >= 0, "--node-size", node_size_, ">= 0");
-    try {
-      dtype_ = parse_dtype(dtype_name_);
-    } catch (const Error&) {
-      require_option(false, "--dtype", dtype_name_, "fp32, bf16 or fp16");
-    }
-    require_option(layout_ == "contiguous" || layout_ == "zigzag" || layout_ == "striped",
-                   "--layout", layout_, "contiguous, zigzag or striped");
-    const bool last = placement_name_ == "last_rank";
-    require_option(last || placement_name_ == "round_robin", "--placement", placement_name_,
-                   "round_robin or last_rank");
-    placement_ = last ? Placement::last_rank : Placement::round_robin;
+    require_one_of("--layout", layout_, {"contiguous", "zigzag", "striped"});
+    require_one_of("--placement", placement_name_, {"round_robin", "last_rank"});
+    placement_ = placement_name_ == "last_rank" ? Placement::last_rank : Placement::round_robin;
     // In the order of least extra memory first (peak RSS only grows); as many found as given.
     const std::string list = cat(",", strategies_str_, ",");
     for (DecodeStrategy s : {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather})
@@ -107,7 +85,8 @@ class DecodeWorkload final : public Workload {
                    "a comma-separated list of tree, ring and allgather, each at most once");
     for (DecodeStrategy s : strategies_)
       names_ += cat(names_.empty() ? "" : ",", strategy_name(s));
-    require_option(e.launch.device != "cuda" || dtype_ != DType::f32, "--dtype", dtype_name_,
+    require_option(e.launch.device != "cuda" || shape_.dtype != DType::f32, "--dtype",
+                   shape_.dtype_name,
                    "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
   }
 
@@ -128,8 +107,8 @@ class DecodeWorkload final : public Workload {
   void config_json(report::JsonObject& cfg) const override {
     cfg.add("strategies", names_).add("context", context_).add("layout", layout_);
     cfg.add("placement", placement_name(placement_)).add("mask", "causal");
-    cfg.add("dtype", dtype_name(dtype_)).add("batch", batch_).add("heads", heads_);
-    cfg.add("kv_heads", kv_heads_).add("head_dim", head_dim_).add("new_tokens", new_tokens_);
+    shape_.json(cfg);
+    cfg.add("new_tokens", new_tokens_);
     cfg.add("node_size", node_size_).add("model_node_size", model_nodes_);
     cfg.add("two_level_tree", two_level_);
   }
@@ -158,33 +137,30 @@ class DecodeWorkload final : public Workload {
     const DecodeStrategy strategy = strategies_[size_t(c.index)];
     const char* name = strategy_name(strategy);
     const int P = rt.cp_size(), r = rt.cp_rank();
-    const AttnSpec spec = make_spec(rt.tp_size());
-    const int64_t H = spec.heads_q, G = spec.heads_kv, D = head_dim_;  // D_v = D
-    const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G, Sq = new_tokens_, B = batch_;
+    const AttnSpec spec = shape_.spec();
+    const int64_t H = spec.heads_q, G = spec.heads_kv, D = shape_.head_dim;  // D_v = D
+    const int64_t hq0 = rt.tp_rank() * H, hk0 = rt.tp_rank() * G, Sq = new_tokens_,
+                  B = shape_.batch;
     const Layout layout = Layout::make(layout_, context_, P);
     model_nodes_ = node_size_ > 0 ? node_size_ : rt.spans_nodes() ? rt.node().size() : 0;
     two_level_ = rt.spans_nodes();
     if (b.check() && !ref_) {  // of the checked step, the last one, the same for every strategy
       b.note(cat("check: float64 reference of the last step over all ", final_length(), " keys"));
-      const bool bf16 = dtype_ == DType::bf16, gpu = b.per_gpu();
+      const bool bf16 = shape_.dtype == DType::bf16, gpu = b.per_gpu();
       tol_out_ = !gpu ? kTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
       tol_lse_ = !gpu ? kTol : Tolerance{2e-4, 2e-4};
-      ref_ = decode_reference(
-          {B, Sq, heads_, kv_heads_, head_dim_}, final_length(), kQ, kK, kV,
-          [&](uint64_t id, int64_t bi, int64_t pos, int64_t h, int64_t dim, float* out) {
-            for (int64_t d = 0; d < dim; ++d)
-              out[d] = input_value(row_key(id, bi, pos, h), d, dtype_);
-          });
+      ref_ = decode_reference({B, Sq, shape_.heads, shape_.kv_heads, shape_.head_dim},
+                              final_length(), kQ, kK, kV, HashedRows{shape_.dtype});
     }
 
     // A fresh cache on the runtime's device (a GPU cache copies the host-generated rows up).
     const Device dev = rt.device();
-    KvCache cache(P, r, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_,
-                  dev);
+    KvCache cache(P, r, spec, B, shape_.dtype, layout.max_local_len() + steps_total() * Sq,
+                  placement_, dev);
     b.note(cat(name, ": prefilling ", context_, " tokens, ", e_.warmup, " warm-up + ", e_.iters,
                " timed", b.check() ? " + 1 checked" : "", " steps of ", Sq, " new tokens ..."));
-    cache.prefill(make_shard(kK, layout, r, B, G, D, dtype_, hk0),
-                  make_shard(kV, layout, r, B, G, D, dtype_, hk0), layout);
+    cache.prefill(make_shard(kK, layout, r, B, G, D, shape_.dtype, hk0),
+                  make_shard(kV, layout, r, B, G, D, shape_.dtype, hk0), layout);
 
     // A step appends the new tokens' K/V and makes q, then times dattn::decode (on a GPU, until
     // its queued work has run); every step's bytes (the checked one's too) are the model's.
@@ -193,9 +169,9 @@ class DecodeWorkload final : public Workload {
     TimedCall step;
     step.prepare = [&](int) {
       const int64_t pos0 = cache.length();
-      cache.append(make_tokens(kK, pos0, Sq, B, G, D, dtype_, hk0),
-                   make_tokens(kV, pos0, Sq, B, G, D, dtype_, hk0));
-      q = on_device(make_tokens(kQ, pos0, Sq, B, H, D, dtype_, hq0), dev);
+      cache.append(make_tokens(kK, pos0, Sq, B, G, D, shape_.dtype, hk0),
+                   make_tokens(kV, pos0, Sq, B, G, D, shape_.dtype, hk0));
+      q = on_device(make_tokens(kQ, pos0, Sq, B, H, D, shape_.dtype, hq0), dev);
     };
     step.call = [&] {
       res = decode(rt, q, cache, strategy);
@@ -205,7 +181,7 @@ class DecodeWorkload final : public Workload {
     step.unit = "steps";
     const Timing t = b.time(c.label, step);
     Row row;
-    const double flops = step_flops(rt.tp_size()) / P / (t.step_mean_ms * 1e-3) / 1e12;
+    const double flops = step_flops() / P / (t.step_mean_ms * 1e-3) / 1e12;
     // #wrong is never N/A: every step's bytes are checked (and with -k, the elements).
     row.result = {"decode", name, layout_, context_, rt.size(), t.step_mean_ms, flops, 0, 0, 0};
     row.take_bytes(t);
@@ -222,7 +198,7 @@ class DecodeWorkload final : public Workload {
       Partial got = res;
       if (!dev.is_cpu()) got = {res.out.to_device(Device::cpu()), res.lse.to_device(Device::cpu())};
       DecodeCheck vs, same;
-      vs.compare(got, ref_->out.data(), ref_->lse.data(), heads_, rt.tp_rank() * H, tol_out_,
+      vs.compare(got, ref_->out.data(), ref_->lse.data(), shape_.heads, rt.tp_rank() * H, tol_out_,
                  tol_lse_);
       vs = vs.reduced();
       row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked));
@@ -268,8 +244,8 @@ class DecodeWorkload final : public Workload {
       if (other == DecodeStrategy::ring) met = mean >= 8 && bytes >= 100;
     }
     const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && context_ == 262144 &&
-                        dtype_ == DType::f32 && heads_ == 8 && kv_heads_ == 2 && head_dim_ == 128 &&
-                        new_tokens_ == 1 && batch_ == 1;
+                        shape_.dtype == DType::f32 && shape_.heads == 8 && shape_.kv_heads == 2 &&
+                        shape_.head_dim == 128 && new_tokens_ == 1 && shape_.batch == 1;
     b.note(
         cat("target: 4 ranks, context 262144, fp32, H=8, H_kv=2, D=128, S_q=1: tree >= 8x "
             "faster than ring, >= 100x fewer bytes",
@@ -289,19 +265,17 @@ class DecodeWorkload final : public Workload {
   // --node-size 0 means the job's real nodes, unknown before it runs: the plan takes one node.
   void plan(Plan& p) const override {
     const int W = e_.launch.world, P = e_.launch.cp, T = e_.launch.tp, n = node_size_;
-    const int64_t Hl = heads_ / T, Gl = kv_heads_ / T, Sq = new_tokens_, B = batch_;
-    const AttnSpec spec = make_spec(T);
+    const int64_t Hl = shape_.heads / T, Gl = shape_.kv_heads / T, Sq = new_tokens_,
+                  B = shape_.batch;
+    const AttnSpec spec = shape_.spec();
     const Layout layout = Layout::make(layout_, context_, P);
-    p.line(cat("world ", W, " ranks = cp ", P, " x tp ", T, " (tp the fastest rank index); ",
-               settings()));
-    p.line(cat("cp groups: world ranks t, t+", T, ", ...; tp groups: ", T,
-               " consecutive ranks; tree ",
-               n > 0 && n < P ? cat("two-level, nodes of ", n) : "flat", "; device ",
-               device_plan(e_.launch), "; ", fixed(step_flops(T) / P / 1e9, 6),
-               " GFLOP per rank per step"));
-    KvCache cache(P, 0, spec, B, dtype_, layout.max_local_len() + steps_total() * Sq, placement_);
-    const Tensor kv = Tensor::empty({B, layout.local_len(0), Gl, head_dim_}, dtype_);  // D_v = D
-    const Tensor kv_new = Tensor::zeros({B, Sq, Gl, head_dim_}, dtype_);
+    p.grid(settings(), cat("; tree ", n > 0 && n < P ? cat("two-level, nodes of ", n) : "flat",
+                           "; ", fixed(step_flops() / P / 1e9, 6), " GFLOP per rank per step"));
+    KvCache cache(P, 0, spec, B, shape_.dtype, layout.max_local_len() + steps_total() * Sq,
+                  placement_);
+    const Tensor kv =
+        Tensor::empty({B, layout.local_len(0), Gl, shape_.head_dim}, shape_.dtype);  // D_v = D
+    const Tensor kv_new = Tensor::zeros({B, Sq, Gl, shape_.head_dim}, shape_.dtype);
     cache.prefill(kv, kv, layout);
     std::map<int, std::vector<double>> kb;  // cp rank of a shown rank: KB per step per strategy
     for (int rank : Plan::shown(W))
@@ -343,23 +317,18 @@ class DecodeWorkload final : public Workload {
   // The run's settings, as the header and the plan print them.
   std::string settings() const {
     return cat("strategies ", names_, " context ", context_, " layout ", layout_, " placement ",
-               placement_name(placement_), " mask causal dtype ", dtype_name(dtype_), " batch ",
-               batch_, " heads ", heads_, " kv-heads ", kv_heads_, " head-dim ", head_dim_,
-               " new-tokens ", new_tokens_, " steps ", e_.iters, " warmup ", e_.warmup, " check ",
-               e_.check, " node-size ", node_size_);
+               placement_name(placement_), " mask causal ", shape_.words(), " new-tokens ",
+               new_tokens_, " steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check,
+               " node-size ", node_size_);
   }
   // Decode steps per strategy: warm-up, timed, and the checked one.
   int64_t steps_total() const { return e_.warmup + e_.iters + (e_.check ? 1 : 0); }
   // Tokens in the cache after the last step: the checked step's keys.
   int64_t final_length() const { return context_ + steps_total() * new_tokens_; }
-  // The spec of one tp rank: its share of the heads.
-  AttnSpec make_spec(int tp, Mask m = Mask::causal()) const {
-    return {.heads_q = heads_ / tp, .heads_kv = kv_heads_ / tp, .head_dim = head_dim_, .mask = m};
-  }
   // The attention FLOPs of one decode step by model, for one tp rank's heads: the S_q new queries
   // against the prefilled context, every key visible; the new tokens among themselves left out.
-  double step_flops(int tp) const {
-    return attention_flops(batch_, new_tokens_, context_, make_spec(tp, Mask::none()));
+  double step_flops() const {
+    return attention_flops(shape_.batch, new_tokens_, context_, shape_.spec(Mask::none()));
   }
   // A comparison's #wrong into the row and its JSON keys; its statistics into the run's total.
   void record(Row& row, DecodeCheck& sum, const DecodeCheck& e, const char* key, const char* err) {
@@ -370,11 +339,11 @@ class DecodeWorkload final : public Workload {
         .add(cat("max_", err, "_lse"), e.lse.max_err);
   }
 
-  int64_t context_ = 65536, batch_ = 1, heads_ = 8, kv_heads_ = 2, head_dim_ = 128, new_tokens_ = 1;
-  std::string dtype_name_ = "fp32", strategies_str_ = "tree,ring,allgather";
+  int64_t context_ = 65536, new_tokens_ = 1;
+  Shape shape_;
+  std::string strategies_str_ = "tree,ring,allgather";
   std::string placement_name_ = "round_robin", layout_ = "contiguous";
   int node_size_ = 0;
-  DType dtype_ = DType::f32;
   Placement placement_ = Placement::round_robin;
   std::vector<DecodeStrategy> strategies_;
   std::string names_;  // strategies_ as "tree,ring"

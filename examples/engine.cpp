@@ -1,19 +1,25 @@
 // The benchmark engine (see engine.h): option parsing, the Runtime, timing, the check
-// statistics, tables, footer, JSON, --compare and the dry run around a Workload.
+// statistics, tables, footer, JSON, --compare and the dry run around a Workload; then report::.
 #include "examples/engine.h"
 
 #include <mpi.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <iostream>
 
 #include "collective/mpi_communicator.h"
+#include "kernels/cpu/attention_cpu.h"
 #include "launch/program.h"
 #include "launch/progress.h"
 #include "src/base/error.h"
+#include "src/layout.h"
 
 namespace dattn::bench {
 
@@ -34,6 +40,16 @@ uint64_t allreduce_max(uint64_t v) {
 uint64_t allreduce_sum(uint64_t v) {
   DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD));
   return v;
+}
+
+Spread spread(int n, const std::function<double(int)>& f) {
+  Spread s;
+  for (int r = 0; r < n; ++r) {
+    const double v = f(r);
+    s.max = std::max(s.max, v), s.sum += v;
+  }
+  if (s.sum > 0) s.imbalance = s.max / (s.sum / n);
+  return s;
 }
 
 double percentile(const std::vector<double>& sorted, double p) {
@@ -88,13 +104,43 @@ DType dtype_option(const std::string& name) {
   return DType::f32;
 }
 
-void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp) {
+void Shape::add_options(po::options_description& desc) {
+  // clang-format off
+  desc.add_options()
+    ("batch,b", po::value(&batch)->default_value(batch), "batch size B")
+    ("heads,H", po::value(&heads)->default_value(heads), "query heads H_q")
+    ("kv-heads,G", po::value(&kv_heads)->default_value(kv_heads),
+     "key/value heads H_kv (H_q must be a multiple)")
+    ("head-dim,d", po::value(&head_dim)->default_value(head_dim), "head dimension D")
+    ("dtype,t", po::value(&dtype_name)->default_value(dtype_name),
+     "storage dtype: fp32, bf16 or fp16");
+  // clang-format on
+}
+
+void Shape::resolve(int tp_size) {
+  tp = tp_size;
+  require_option(batch >= 1, "--batch", batch, ">= 1");
   require_option(heads >= 1, "--heads", heads, ">= 1");
   require_option(kv_heads >= 1 && heads % kv_heads == 0, "--kv-heads", kv_heads,
                  cat(">= 1 and dividing --heads (", heads, ")"));
   require_option(kv_heads % tp == 0, "--kv-heads", kv_heads,
                  cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
   require_option(head_dim >= 1, "--head-dim", head_dim, ">= 1");
+  dtype = dtype_option(dtype_name);
+}
+
+AttnSpec Shape::spec(Mask mask) const {
+  return {.heads_q = heads / tp, .heads_kv = kv_heads / tp, .head_dim = head_dim, .mask = mask};
+}
+
+std::string Shape::words() const {
+  return cat("dtype ", dattn::dtype_name(dtype), " batch ", batch, " heads ", heads, " kv-heads ",
+             kv_heads, " head-dim ", head_dim);
+}
+
+void Shape::json(report::JsonObject& cfg) const {
+  cfg.add("dtype", dattn::dtype_name(dtype)).add("batch", batch).add("heads", heads);
+  cfg.add("kv_heads", kv_heads).add("head_dim", head_dim);
 }
 
 void require_one_of(const char* option, const std::string& value,
@@ -329,9 +375,9 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
   e.threads = d.threads;
   e.check = d.has_check ? 1 : 0;
   bool help = false, version = false;
-  po::options_description desc(
-      cat(w.program(), ": ", w.summary(), "\nusage: mpiexec -n P ", w.program(), " [options]"));
-  po::options_description own(cat(w.name(), " options"));
+  po::options_description desc(cat(entry.program, ": ", entry.summary, "\nusage: mpiexec -n P ",
+                                   entry.program, " [options]"));
+  po::options_description own(cat(entry.name, " options"));
   w.add_options(own);
   po::options_description shared("benchmark options (shared by every workload)");
   auto add = shared.add_options();
@@ -365,7 +411,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
   if (help || version) {
     if (world_rank() == 0) {
       if (help) std::cout << desc << "\n";
-      if (version) std::cout << w.program() << " " << DATTN_VERSION << "\n";
+      if (version) std::cout << entry.program << " " << DATTN_VERSION << "\n";
     }
     p.answered = true;
     return p;
@@ -449,13 +495,12 @@ Compared run_compare(const WorkloadEntry& entry, int argc, char** argv, const En
   c.time_ms = rows.empty() ? 0 : rows.front().result.time_ms;
   for (const Row& r : rows)
     c.wrong += r.wrong();
-  c.wrong += b.extra_wrong();
   return c;
 }
 
-void dry_run(Workload& w, const EngineOptions& e) {
+void dry_run(const char* name, Workload& w, const EngineOptions& e) {
   const double start = MPI_Wtime();
-  std::printf("# dattn %s plan (dry run, nothing computed), version %s\n", w.name(), DATTN_VERSION);
+  std::printf("# dattn %s plan (dry run, nothing computed), version %s\n", name, DATTN_VERSION);
   Plan plan(e);
   w.plan(plan);
   std::printf("# planned %d ranks in %.3f s\n", e.launch.world, MPI_Wtime() - start);
@@ -480,7 +525,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   Workload& w = *p.w;
   const EngineOptions& e = p.e;
   if (e.launch.dry_run) {
-    if (world_rank() == 0) dry_run(w, e);
+    if (world_rank() == 0) dry_run(entry.name, w, e);
     return 0;
   }
 
@@ -494,7 +539,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
                        p.d.has_check ? cat(" check ", e.check) : "",
                        e.compare.empty() ? "" : " compare " + e.compare));
   if (b.root()) {
-    report::print_header(stdout, w.title(), config, ranks);
+    report::print_header(stdout, cat("dattn ", entry.name, " benchmark"), config, ranks);
     std::fflush(stdout);
   }
   const std::vector<Row> rows = run_cases(w, b);
@@ -503,7 +548,7 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
     compared.push_back(run_compare(entry, argc, argv, e, v));
 
   // ---------------------------------------------------------------- footer
-  uint64_t wrong = b.extra_wrong(), byte_mismatches = 0;
+  uint64_t wrong = 0, byte_mismatches = 0;
   bool byte_checked = false;
   double tflops = 0;
   int tflops_rows = 0;
@@ -551,13 +596,9 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   // ---------------------------------------------------------------- JSON
   if (b.root() && !e.json.empty()) {
     report::JsonObject cfg;
-    cfg.add("program", w.program())
-        .add("version", DATTN_VERSION)
-        .add("ranks", rt.size())
-        .add("threads_per_rank", rt.threads())
-        .add("iters", e.iters)
-        .add("warmup", e.warmup)
-        .add("check", e.check == 1);
+    cfg.add("program", entry.program).add("version", DATTN_VERSION).add("ranks", rt.size());
+    cfg.add("threads_per_rank", rt.threads()).add("iters", e.iters).add("warmup", e.warmup);
+    cfg.add("check", e.check == 1);
     w.config_json(cfg);
     cfg.add("with_cuda", bool(DATTN_WITH_CUDA)).add("with_nccl", bool(DATTN_WITH_NCCL));
     if (b.per_gpu()) cfg.add("device", "cuda");  // one GPU per rank: per-rank figures are per GPU
@@ -569,10 +610,8 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
       jrows.push_back(report::result_row(c).add_all(r.extra).str());
     }
     report::JsonObject top;
-    top.add_raw("config", cfg.str())
-        .add_raw("rows", report::json_array(jrows))
-        .add("wrong", int64_t(wrong))
-        .add("avg_tflops_per_rank", tflops);
+    top.add_raw("config", cfg.str()).add_raw("rows", report::json_array(jrows));
+    top.add("wrong", int64_t(wrong)).add("avg_tflops_per_rank", tflops);
     if (byte_checked) top.add("byte_mismatches", int64_t(byte_mismatches));
     top.add_all(sections);
     if (!jcompare.empty()) top.add_raw("compare", jcompare.str());
@@ -582,3 +621,246 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
 }
 
 }  // namespace dattn::bench
+
+namespace dattn::report {
+
+// ------------------------------------------------------------------ header
+
+namespace {
+// Fixed-size record for the allgather: host and device names are truncated to fit.
+struct RankRecord {
+  int32_t rank;
+  int32_t pid;
+  int32_t threads;
+  char host[64];
+  char device[16];
+};
+
+void copy_truncated(char* dst, size_t size, const std::string& src) {
+  std::memset(dst, 0, size);
+  std::memcpy(dst, src.data(), std::min(size - 1, src.size()));
+}
+}  // namespace
+
+std::vector<RankInfo> gather_rank_info(MPI_Comm comm, const std::string& device, int threads) {
+  int rank = 0, size = 1;
+  DATTN_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  DATTN_MPI_CHECK(MPI_Comm_size(comm, &size));
+  RankRecord mine{};
+  mine.rank = rank;
+  mine.pid = int32_t(getpid());
+  mine.threads = threads;
+  copy_truncated(mine.host, sizeof(mine.host), host_name());
+  copy_truncated(mine.device, sizeof(mine.device), device);
+  std::vector<RankRecord> all(static_cast<size_t>(size));
+  DATTN_MPI_CHECK(MPI_Allgather(&mine, sizeof(RankRecord), MPI_BYTE, all.data(), sizeof(RankRecord),
+                                MPI_BYTE, comm));
+  std::vector<RankInfo> out;
+  out.reserve(all.size());
+  for (const auto& r : all)
+    out.push_back({r.rank, r.pid, r.host, r.device, r.threads});
+  return out;
+}
+
+void print_header(std::FILE* f, const std::string& title, const std::vector<std::string>& config,
+                  const std::vector<RankInfo>& ranks) {
+  std::fprintf(f, "# %s, version %s\n", title.c_str(), DATTN_VERSION);
+  for (const auto& line : config)
+    std::fprintf(f, "# %s\n", line.c_str());
+  std::fprintf(f, "# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n", int(DATTN_WITH_CUDA),
+               int(DATTN_WITH_NCCL));
+  std::fprintf(f, "# cpu kernel: %s\n", dattn::cpu::cpu_kernel_info().c_str());
+  std::fprintf(f, "#\n# Using devices\n");
+  for (const auto& r : ranks) {
+    std::fprintf(f, "#  Rank %2d Group  0 Pid %6d on %10s device %s threads %d\n", r.rank, r.pid,
+                 r.host.c_str(), r.device.c_str(), r.threads);
+  }
+  std::fprintf(f, "#\n");
+}
+
+void print_footer_line(std::FILE* f, const std::string& label, const std::string& value) {
+  std::fprintf(f, "# %-22s: %s\n", label.c_str(), value.c_str());
+}
+
+// ------------------------------------------------------------------ tables
+
+void Table::print_heading(std::FILE* f) const {
+  std::string names = "#", units = "#";
+  for (const auto& c : columns_) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), " %*s", c.width, c.name.c_str());
+    names += buf;
+    std::snprintf(buf, sizeof(buf), " %*s", c.width, c.unit.c_str());
+    units += buf;
+  }
+  std::fprintf(f, "%s\n%s\n", names.c_str(), units.c_str());
+}
+
+void Table::print_row(std::FILE* f, const std::vector<std::string>& cells) const {
+  DATTN_CHECK_ARG(cells.size() == columns_.size(), "table row cells", cells.size(),
+                  detail::cat(columns_.size(), " (one per column)"));
+  std::string line = " ";
+  for (size_t i = 0; i < cells.size(); ++i) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), " %*s", columns_[i].width, cells[i].c_str());
+    line += buf;
+  }
+  std::fprintf(f, "%s\n", line.c_str());
+}
+
+namespace {
+std::string non_finite(double v) {
+  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+}
+}  // namespace
+
+std::string index_range(int64_t first, int64_t n) {
+  if (n <= 0) return "-";
+  if (n == 1) return std::to_string(first);
+  return std::to_string(first) + "-" + std::to_string(first + n - 1);
+}
+
+std::string fixed(double v, int precision) {
+  if (!std::isfinite(v)) return non_finite(v);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
+  return buf;
+}
+
+std::string sci(double v, int precision) {
+  if (!std::isfinite(v)) return non_finite(v);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*e", precision, v);
+  return buf;
+}
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i) out += sep;
+    out += items[i];
+  }
+  return out;
+}
+
+std::string run_desc(const Run& run) {
+  using detail::cat;
+  const std::string range = cat(run.global_begin, "-", run.last_position());
+  if (run.length <= run.block || run.stride == run.block) return range;
+  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
+}
+
+// ------------------------------------------------------------------ JSON
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  // Prefer the shortest form that reads back to the same double.
+  for (int p = 6; p < 17; ++p) {
+    char shorter[64];
+    std::snprintf(shorter, sizeof(shorter), "%.*g", p, v);
+    if (std::strtod(shorter, nullptr) == v) return shorter;
+  }
+  return buf;
+}
+
+std::string json_array(const std::vector<std::string>& items) {
+  std::string out = "[";
+  for (size_t i = 0; i < items.size(); ++i)
+    out += (i ? ",\n  " : "\n  ") + items[i];
+  return out + (items.empty() ? "]" : "\n]");
+}
+
+JsonObject& JsonObject::add_raw(const std::string& key, const std::string& json_text) {
+  members_.emplace_back(key, json_text);
+  return *this;
+}
+JsonObject& JsonObject::add(const std::string& key, const std::string& value) {
+  return add_raw(key, json_string(value));
+}
+JsonObject& JsonObject::add(const std::string& key, const char* value) {
+  return add_raw(key, json_string(value));
+}
+JsonObject& JsonObject::add(const std::string& key, double value) {
+  return add_raw(key, json_number(value));
+}
+JsonObject& JsonObject::add(const std::string& key, int64_t value) {
+  return add_raw(key, std::to_string(value));
+}
+JsonObject& JsonObject::add(const std::string& key, bool value) {
+  return add_raw(key, value ? "true" : "false");
+}
+
+JsonObject& JsonObject::add_all(const JsonObject& other) {
+  members_.insert(members_.end(), other.members_.begin(), other.members_.end());
+  return *this;
+}
+
+std::string JsonObject::str() const {
+  std::string out = "{";
+  for (size_t i = 0; i < members_.size(); ++i) {
+    out += (i ? ", " : "") + json_string(members_[i].first) + ": " + members_[i].second;
+  }
+  return out + "}";
+}
+
+std::string JsonObject::words() const {
+  std::string out;
+  for (const auto& [key, value] : members_) {
+    std::string k = key;
+    std::replace(k.begin(), k.end(), '_', '-');
+    const bool quoted = value.size() >= 2 && value.front() == '"';
+    out +=
+        (out.empty() ? "" : " ") + k + " " + (quoted ? value.substr(1, value.size() - 2) : value);
+  }
+  return out;
+}
+
+JsonObject result_row(const ResultRow& r) {
+  JsonObject j;
+  j.add("workload", r.workload).add("strategy", r.strategy).add("layout", r.layout);
+  j.add("seq", r.seq).add("ranks", r.ranks).add("time_ms", r.time_ms);
+  if (r.tflops_per_rank >= 0)
+    j.add("tflops_per_rank", r.tflops_per_rank);
+  else
+    j.add_raw("tflops_per_rank", "null");
+  j.add("sent_mb_per_rank", r.sent_mb_per_rank).add("model_mb_per_rank", r.model_mb_per_rank);
+  if (r.wrong >= 0)
+    j.add("wrong", r.wrong);
+  else
+    j.add_raw("wrong", "null");
+  return j;
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream os(path);
+  if (!os) DATTN_THROW("cannot open --json file '", path, "' for writing");
+  os << text << "\n";
+  os.close();
+  if (!os) DATTN_THROW("failed writing --json file '", path, "'");
+}
+
+}  // namespace dattn::report

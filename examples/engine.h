@@ -3,6 +3,7 @@
 // columns and plan); run_workload owns everything around it: option parsing (the shared options,
 // the launch options, --help, --version, --compare), the Runtime, warm-up, timing and progress
 // lines, the check statistics and #wrong, the tables, the footer, the JSON file and the dry run.
+// report:: holds what they print with: the header block, fixed-width tables, footer lines, JSON.
 //
 // The shared options, owned by the engine for every workload (a workload does not declare them):
 //   -n/--iters (its name and default from Defaults), -w/--warmup, -k/--check, -T/--threads,
@@ -12,27 +13,146 @@
 // off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
 //
 // The flow of one run (rank 0 prints, every rank computes):
-//   header (report::print_header with Workload::config_lines), then for each Case of cases():
+//   header ("dattn <name> benchmark" and Workload::config_lines), then for each Case of cases():
 //   Workload::run returns its Rows; a case whose table differs from the previous one prints that
 //   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
-//   values" (#wrong of every row and Bench::add_wrong), "Avg TFLOP/s per rank|GPU" (rows with
+//   values" (#wrong of every row), "Avg TFLOP/s per rank|GPU" (rows with
 //   tflops_per_rank >= 0), "Byte model mismatches" (rows with byte_checked), the Workload::finish
 //   lines, and the --compare summary; then the JSON file (-J). The exit code is 1 when #wrong > 0.
 #pragma once
 
+#include <mpi.h>
+
 #include <boost/program_options.hpp>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collective/communicator.h"
-#include "examples/report.h"
 #include "launch/options.h"
 #include "src/base/dtype.h"
+#include "src/base/spec.h"
 #include "src/runtime.h"
+
+namespace dattn {
+struct Run;  // src/layout.h
+}  // namespace dattn
+
+namespace dattn::report {
+
+// ------------------------------------------------------------------ header
+
+// What the header says about one rank.
+struct RankInfo {
+  int rank = 0;
+  int pid = 0;
+  std::string host;
+  std::string device;  // "cpu", "cuda:0"
+  int threads = 0;     // OpenMP threads of the rank
+};
+
+// Collective over comm: every rank's RankInfo, on every rank (fixed-size buffers, allgather).
+std::vector<RankInfo> gather_rank_info(MPI_Comm comm, const std::string& device, int threads);
+
+// Prints the header block:
+//   # <title>, version X
+//   # <each config line>
+//   # DATTN_WITH_CUDA=.. DATTN_WITH_NCCL=..
+//   #
+//   # Using devices
+//   #  Rank  0 Group  0 Pid  1234 on host device cpu threads 2
+void print_header(std::FILE* f, const std::string& title, const std::vector<std::string>& config,
+                  const std::vector<RankInfo>& ranks);
+
+// "# label : value" with the labels aligned, as in the nccl-tests footer.
+void print_footer_line(std::FILE* f, const std::string& label, const std::string& value);
+
+// ------------------------------------------------------------------ tables
+
+struct Column {
+  std::string name;  // first heading line
+  std::string unit;  // second heading line, "" for none
+  int width = 10;    // cells are right-aligned in this width
+};
+
+// A fixed-width table: heading lines start with '#', data rows with ' ', so that a reader (or
+// grep -v '^#') finds the numbers alone.
+class Table {
+ public:
+  explicit Table(std::vector<Column> columns) : columns_(std::move(columns)) {}
+  void print_heading(std::FILE* f) const;
+  // One row of already formatted cells, one per column (throws dattn::Error otherwise).
+  void print_row(std::FILE* f, const std::vector<std::string>& cells) const;
+
+ private:
+  std::vector<Column> columns_;
+};
+
+// n indices from first, as a plan prints them: "-" (none), "5", "4-7".
+std::string index_range(int64_t first, int64_t n);
+// v with `precision` digits after the point; non-finite values as "nan", "inf", "-inf".
+std::string fixed(double v, int precision);
+// v in scientific notation with `precision` digits ("1.23e-05").
+std::string sci(double v, int precision);
+
+// The items joined with sep between them ("a, b, c").
+std::string join(const std::vector<std::string>& items, const char* sep);
+// A run's global positions, for the --dry-run plans: "0-1023" for a contiguous run, "5-4093/4"
+// for every 4th position, "16-31/64x16" for blocks of 16 every 64.
+std::string run_desc(const Run& run);
+
+// ------------------------------------------------------------------ JSON
+
+std::string json_string(const std::string& s);  // quoted and escaped
+std::string json_number(double v);              // shortest round-trip form; null if non-finite
+std::string json_array(const std::vector<std::string>& items);  // items are JSON text
+
+// An object whose members keep their insertion order; values are JSON text.
+class JsonObject {
+ public:
+  JsonObject& add_raw(const std::string& key, const std::string& json_text);
+  JsonObject& add(const std::string& key, const std::string& value);
+  JsonObject& add(const std::string& key, const char* value);
+  JsonObject& add(const std::string& key, double value);
+  JsonObject& add(const std::string& key, int64_t value);
+  JsonObject& add(const std::string& key, int value) { return add(key, int64_t(value)); }
+  JsonObject& add(const std::string& key, bool value);
+  JsonObject& add_all(const JsonObject& other);  // other's members, in their order
+  bool empty() const { return members_.empty(); }
+  // "key value key value ...": the members for a header line (keys with '-' for '_', strings
+  // without their quotes).
+  std::string words() const;
+  std::string str() const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> members_;
+};
+
+// The row every workload writes into "rows" with --json, so that one plotting script
+// (launch/plot.py) reads any of them: these keys first, in this order, then the workload's own.
+struct ResultRow {
+  std::string workload;          // prefill, decode, star, mla, kernel
+  std::string strategy;          // ring, ulysses, hybrid, tree, allgather, star, head_split, ...
+  std::string layout;            // contiguous, zigzag, striped, varlen; "" where none applies
+  int64_t seq = 0;               // prefill: the global sequence length; decode: the context
+  int ranks = 0;                 // ranks of the run (cp x tp)
+  double time_ms = 0;            // prefill: one forward; decode: the mean step latency
+  double tflops_per_rank = -1;   // < 0: not reported (null)
+  double sent_mb_per_rank = 0;   // payload sent per rank per forward / step, max over ranks
+  double model_mb_per_rank = 0;  // the byte model's figure for the same
+  int64_t wrong = -1;            // elements over tolerance + byte model mismatches; < 0: null
+};
+JsonObject result_row(const ResultRow& r);
+
+// Writes text (plus a newline) to path; throws dattn::Error naming the path on failure.
+void write_text_file(const std::string& path, const std::string& text);
+
+}  // namespace dattn::report
 
 namespace dattn::bench {
 
@@ -164,38 +284,55 @@ class Bench {
   void note(const std::string& line) const;
   // Warm-up and timed calls of c, with progress lines named `what`. Collective.
   Timing time(const std::string& what, const TimedCall& c);
-  // #wrong found outside any row (e.g. a cross-strategy comparison's disagreements).
-  void add_wrong(uint64_t n) { extra_wrong_ += n; }
-  uint64_t extra_wrong() const { return extra_wrong_; }
 
  private:
   Runtime& rt_;
   const EngineOptions& opts_;
-  uint64_t extra_wrong_ = 0;
 };
 
 // Collective over MPI_COMM_WORLD: max or sum of a value over every rank.
 double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
+// The max, the sum and the max / mean (1 when the sum is 0) of f(0 .. n-1), e.g. a model over
+// ranks.
+struct Spread {
+  double max = 0, sum = 0, imbalance = 1;
+};
+Spread spread(int n, const std::function<double(int)>& f);
 // Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
 double percentile(const std::vector<double>& sorted, double p);
 // Peak resident set of this process so far (ru_maxrss), in MiB.
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.
 int world_rank();
-// Option checks every workload makes, throwing UsageError (require_option's message):
-// --dtype NAME as a DType ("fp32, bf16 or fp16");
+// --dtype NAME as a DType, else UsageError ("fp32, bf16 or fp16").
 DType dtype_option(const std::string& name);
-// --heads, --kv-heads (dividing --heads and divisible by --tp), --head-dim, each >= 1;
-void check_heads(int64_t heads, int64_t kv_heads, int64_t head_dim, int tp);
-// value one of `allowed` ("invalid --layout = X: expected contiguous, zigzag or striped").
+// Option checks throwing UsageError (require_option's message): value one of `allowed` ("invalid
+// --layout = X: expected contiguous, zigzag or striped").
 void require_one_of(const char* option, const std::string& value,
                     const std::vector<std::string>& allowed);
 // "a,b,c" -> the items, empty ones kept (so that they can be rejected).
 std::vector<std::string> split_list(const std::string& s, char sep = ',');
 // "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
 std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
+
+// The attention shape options of prefill, decode and star: -b/--batch, -H/--heads,
+// -G/--kv-heads, -d/--head-dim, -t/--dtype. resolve checks them for --tp (each >= 1, --kv-heads
+// dividing --heads and divisible by --tp) and parses the dtype, throwing UsageError.
+struct Shape {
+  int64_t batch = 1, heads = 8, kv_heads = 2, head_dim = 128;
+  std::string dtype_name = "fp32";
+  DType dtype = DType::f32;
+  int tp = 1;
+  void add_options(po::options_description& desc);
+  void resolve(int tp);
+  // One tp rank's heads (heads / tp query heads, kv_heads / tp key/value heads) under mask.
+  AttnSpec spec(Mask mask = Mask::causal()) const;
+  // "dtype T batch B heads H kv-heads G head-dim D", and the same as JSON config keys.
+  std::string words() const;
+  void json(report::JsonObject& cfg) const;
+};
 
 // ------------------------------------------------------------------ the dry run
 
@@ -238,11 +375,7 @@ class Workload {
  public:
   virtual ~Workload() = default;
 
-  // ---- identity and options
-  virtual const char* name() const = 0;     // "prefill": dattn-run's word, the JSON "workload"
-  virtual const char* program() const = 0;  // "dattn-prefill-bench"
-  virtual const char* summary() const = 0;  // one line for --help and dattn-run --help
-  virtual const char* title() const = 0;    // the header's "dattn prefill benchmark"
+  // ---- options (the name, program and summary are its WorkloadEntry's)
   virtual Defaults defaults() const { return {}; }
   // The workload's own options (the shared ones are the engine's), bound to its members.
   virtual void add_options(po::options_description& desc) = 0;
@@ -281,9 +414,9 @@ class Workload {
 // A registered workload: its factory (the engine makes a fresh one for each option set, e.g.
 // each --compare value).
 struct WorkloadEntry {
-  const char* name;
-  const char* program;
-  const char* summary;
+  const char* name;     // "prefill": dattn-run's word, the header's "dattn prefill benchmark"
+  const char* program;  // "dattn-prefill-bench"
+  const char* summary;  // one line for --help and dattn-run --help
   std::unique_ptr<Workload> (*make)();
 };
 

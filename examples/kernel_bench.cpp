@@ -45,10 +45,6 @@ double mib(double bytes) {
 
 class Kernel final : public Workload {
  public:
-  const char* name() const override { return "kernel"; }
-  const char* program() const override { return "dattn-kernel-bench"; }
-  const char* summary() const override { return "the CPU kernel against sgemm, one process"; }
-  const char* title() const override { return "dattn kernel benchmark"; }
   Defaults defaults() const override {
     return {.iters_help = "timed iterations (best is kept)",
             .iters = 3,
@@ -82,11 +78,7 @@ class Kernel final : public Workload {
     require_option(seq_ >= 1, "--seq", seq_, ">= 1");
     require_option(mask_ == "none" || mask_ == "causal", "--mask", mask_, "none or causal");
     require_option(gemm_n_ >= 1, "--gemm-n", gemm_n_, ">= 1");
-    try {
-      dtype_ = parse_dtype(dtype_name_);
-    } catch (const Error&) {
-      require_option(false, "--dtype", dtype_name_, "fp32, bf16 or fp16");
-    }
+    dtype_ = dtype_option(dtype_name_);
     const auto seqs = rss_text_.empty() ? std::vector<int64_t>{} : parse_int_list(rss_text_);
     require_option(
         seqs && std::all_of(seqs->begin(), seqs->end(), [](int64_t s) { return s >= 1; }),
@@ -108,26 +100,17 @@ class Kernel final : public Workload {
   }
 
   void config_json(report::JsonObject& cfg) const override {
-    cfg.add("heads", heads_)
-        .add("head_dim", head_dim_)
-        .add("seq", seq_)
-        .add("dtype", dtype_name(dtype_))
-        .add("mask", spec_.mask.str())
-        .add("gemm_n", gemm_n_);
+    cfg.add("heads", heads_).add("head_dim", head_dim_).add("seq", seq_);
+    cfg.add("dtype", dtype_name(dtype_)).add("mask", spec_.mask.str()).add("gemm_n", gemm_n_);
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
-    return {{{"seq", "(tokens)", 10},
-             {"tensors", "(MiB)", 9},
-             {"peak_rss", "(MiB)", 9},
-             {"rss-base", "(MiB)", 9},
-             {"growth", "(RSS/S)", 8},
-             {"time", "(ms)", 10}},
-            {{"section", "", 17},
-             {"problem", "", 34},
-             {"threads", "", 7},
-             {"best", "(ms)", 11},
+    // clang-format off
+    return {{{"seq", "(tokens)", 10}, {"tensors", "(MiB)", 9}, {"peak_rss", "(MiB)", 9},
+             {"rss-base", "(MiB)", 9}, {"growth", "(RSS/S)", 8}, {"time", "(ms)", 10}},
+             {{"section", "", 17}, {"problem", "", 34}, {"threads", "", 7}, {"best", "(ms)", 11},
              {"GFLOP/s", "", 9}}};
+    // clang-format on
   }
 
   std::vector<Case> cases(const Bench& b) const override {
@@ -221,16 +204,10 @@ class Kernel final : public Workload {
           static_cast<long long>(head_dim_), dtype_name(dtype_), base_mib_);
       std::fflush(stdout);
     }
-    top.add("ratio", ratio)
-        .add("target", 0.50)
-        .add("pass", pass)
-        .add_raw("backward", report::JsonObject()
-                                 .add("ratio", bwd_ratio)
-                                 .add("target", 0.35)
-                                 .add("pass", bwd_pass)
-                                 .str())
-        .add("rss_base_mib", base_mib_)
-        .add_raw("rss", report::json_array(rss_json_));
+    report::JsonObject bwd;
+    bwd.add("ratio", bwd_ratio).add("target", 0.35).add("pass", bwd_pass);
+    top.add("ratio", ratio).add("target", 0.50).add("pass", pass).add_raw("backward", bwd.str());
+    top.add("rss_base_mib", base_mib_).add_raw("rss", report::json_array(rss_json_));
   }
 
   void plan(Plan& p) const override {
@@ -240,12 +217,10 @@ class Kernel final : public Workload {
     p.line(cat("one process: world 1 rank = cp 1 x tp 1, device cpu, OpenMP threads ", e_.threads,
                " (the sgemm: BLAS threads ", e_.threads, ")",
                job > 1 ? cat("; each of the job's ", job, " ranks would run it alone") : ""));
-    p.table({{"section", "", 10},
-             {"problem", "", 34},
-             {"threads", "", 7},
-             {"runs", "", 5},
-             {"GFLOP", "(per run)", 11},
-             {"inputs", "(MiB)", 9}});
+    // clang-format off
+    p.table({{"section", "", 10}, {"problem", "", 34}, {"threads", "", 7}, {"runs", "", 5},
+             {"GFLOP", "(per run)", 11}, {"inputs", "(MiB)", 9}});
+    // clang-format on
     const std::string T = std::to_string(e_.threads), runs = std::to_string(e_.iters);
     double total = 0;
     for (int64_t S : rss_seqs_) {
@@ -309,15 +284,11 @@ class Kernel final : public Workload {
                  fixed(peak - base_mib_, 1),
                  has_growth ? fixed(growth, 2) : "-",
                  fixed(ms, 1)};
-      rss_json_.push_back(
-          report::JsonObject()
-              .add("seq", S)
-              .add("tensors_mib", tensors)
-              .add("peak_rss_mib", peak)
-              .add("rss_above_base_mib", peak - base_mib_)
-              .add_raw("growth_vs_s", prev_seq > 0 ? report::json_number(growth) : "null")
-              .add("time_ms", ms)
-              .str());
+      report::JsonObject j;
+      j.add("seq", S).add("tensors_mib", tensors).add("peak_rss_mib", peak);
+      j.add("rss_above_base_mib", peak - base_mib_);
+      j.add_raw("growth_vs_s", prev_seq > 0 ? report::json_number(growth) : "null");
+      rss_json_.push_back(j.add("time_ms", ms).str());
       rows.push_back(r);
       prev_seq = double(S), prev_peak = peak;
     }

@@ -149,10 +149,6 @@ struct Result {
 
 class Mla final : public Workload {
  public:
-  const char* name() const override { return "mla"; }
-  const char* program() const override { return "dattn-mla-bench"; }
-  const char* summary() const override { return "MLA decode: head split against TPLA"; }
-  const char* title() const override { return "dattn MLA decode benchmark"; }
   Defaults defaults() const override {
     Defaults d;
     d.iters_option = "steps,n", d.iters_help = "timed decode steps per method";

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -31,31 +30,18 @@ constexpr int64_t kSampleRows = 8;  // query rows per rank the check compares
 
 class Prefill final : public Workload {
  public:
-  const char* name() const override { return "prefill"; }
-  const char* program() const override { return "dattn-prefill-bench"; }
-  const char* summary() const override {
-    return "distributed prefill: ring, ulysses or hybrid over any layout and mask";
-  }
-  const char* title() const override { return "dattn prefill benchmark"; }
   // Every strategy's forward runs on a GPU (the dtype checked in resolve).
   Defaults defaults() const override { return {.runs_on_cuda = true}; }
 
   void add_options(po::options_description& desc) override {
     // clang-format off
     desc.add_options()
-      ("batch,b", po::value(&batch_)->default_value(batch_), "batch size B")
-      ("heads,H", po::value(&heads_)->default_value(heads_), "query heads H_q")
-      ("kv-heads,G", po::value(&kv_heads_)->default_value(kv_heads_),
-       "key/value heads H_kv (H_q must be a multiple)")
-      ("head-dim,d", po::value(&head_dim_)->default_value(head_dim_), "head dimension D")
       ("seq-begin,s", po::value(&seq_begin_)->default_value(seq_begin_),
        "first global sequence length")
       ("seq-end,e", po::value(&seq_end_)->value_name("arg (=seq-begin)"),
        "last global sequence length")
       ("seq-factor,f", po::value(&seq_factor_)->default_value(seq_factor_),
        "sequence lengths s, s*f, s*f^2, ... <= e")
-      ("dtype,t", po::value(&dtype_name_)->default_value(dtype_name_),
-       "storage dtype: fp32, bf16 or fp16")
       ("strategy,a", po::value(&strategy_name_)->default_value(strategy_name_),
        "ring, ulysses (Ulysses degree = the ranks) or hybrid (Ulysses in groups of -u, ring "
        "across)")
@@ -65,6 +51,7 @@ class Prefill final : public Workload {
        "time attention_backward (after one forward; 2.5x its FLOPs, "
        "attention_backward_send_bytes); --check checks the forward");
     // clang-format on
+    shape_.add_options(desc);
     problem_.add_options(desc);
   }
 
@@ -72,13 +59,11 @@ class Prefill final : public Workload {
     e_ = e;
     const int P = e.launch.cp, T = e.launch.tp;
     if (!vm.count("seq-end")) seq_end_ = seq_begin_;
-    require_option(batch_ >= 1, "--batch", batch_, ">= 1");
-    check_heads(heads_, kv_heads_, head_dim_, T);
+    shape_.resolve(T);
     require_option(seq_begin_ >= 1, "--seq-begin", seq_begin_, ">= 1");
     require_option(seq_end_ >= seq_begin_, "--seq-end", seq_end_, ">= --seq-begin");
     require_option(seq_factor_ >= 2 || seq_end_ == seq_begin_, "--seq-factor", seq_factor_,
                    ">= 2 (or --seq-end equal to --seq-begin)");
-    dtype_ = dtype_option(dtype_name_);
     bool known = true;
     try {
       strategy_ = parse_strategy(strategy_name_);
@@ -88,7 +73,7 @@ class Prefill final : public Workload {
     require_option(known, "--strategy", strategy_name_,
                    "ring, ulysses or hybrid (tree and allgather decode: dattn-decode-bench)");
     // The Ulysses degree, over the cp ranks of one tp slice (its heads).
-    const int64_t G = kv_heads_ / T;
+    const int64_t G = shape_.kv_heads / T;
     const char* kv_what = T > 1 ? "--kv-heads / --tp" : "--kv-heads";
     const bool u_given = !vm["ulysses-degree"].defaulted();
     require_option(ulysses_ >= 1, "--ulysses-degree", ulysses_, ">= 1");
@@ -109,7 +94,7 @@ class Prefill final : public Workload {
 
     problem_.resolve(vm, seq_begin_, seq_end_, e.comparing());
     if (e.launch.device == "cuda") {
-      require_option(dtype_ != DType::f32, "--dtype", dtype_name_,
+      require_option(shape_.dtype != DType::f32, "--dtype", shape_.dtype_name,
                      "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
       require_option(!backward_, "--backward", "on", "off with --device cuda (a CPU-only pass)");
     }
@@ -127,29 +112,19 @@ class Prefill final : public Workload {
   }
 
   void config_json(report::JsonObject& cfg) const override {
-    cfg.add("strategy", strategy_name(strategy_))
-        .add("ulysses_degree", ulysses_)
-        .add("layout", problem_.layout())
-        .add("stripe_block", problem_.stripe_block())
-        .add("documents", problem_.documents())
-        .add("mask", problem_.mask_desc(seqs_.front()))
-        .add("dtype", dtype_name(dtype_))
-        .add("batch", batch_)
-        .add("heads", heads_)
-        .add("kv_heads", kv_heads_)
-        .add("head_dim", head_dim_)
-        .add("pass", backward_ ? "backward" : "forward");
+    cfg.add("strategy", strategy_name(strategy_)).add("ulysses_degree", ulysses_);
+    cfg.add("layout", problem_.layout()).add("stripe_block", problem_.stripe_block());
+    cfg.add("documents", problem_.documents()).add("mask", problem_.mask_desc(seqs_.front()));
+    shape_.json(cfg);
+    cfg.add("pass", backward_ ? "backward" : "forward");
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
-    return {{{"seq", "(tokens)", 9},
-             {"local_seq", "(tokens)", 10},
-             {"time", "(ms)", 11},
-             {"TFLOP/s", cat("(", b.per_unit(), ")"), 11},
-             {"imbal", "(max/mean)", 11},
-             {"sent", "(MB/rank)", 11},
-             {"model", "(MB/rank)", 11},
-             {"#wrong", "", 7}}};
+    // clang-format off
+    return {{{"seq", "(tokens)", 9}, {"local_seq", "(tokens)", 10}, {"time", "(ms)", 11},
+             {"TFLOP/s", cat("(", b.per_unit(), ")"), 11}, {"imbal", "(max/mean)", 11},
+             {"sent", "(MB/rank)", 11}, {"model", "(MB/rank)", 11}, {"#wrong", "", 7}}};
+    // clang-format on
   }
 
   std::vector<Case> cases(const Bench& b) const override {
@@ -166,10 +141,11 @@ class Prefill final : public Workload {
     const Problem p = problem(c.index, P);
     const AttnSpec& spec = p.spec;
     const int64_t S = c.index, hq0 = t * spec.heads_q, hk0 = t * spec.heads_kv;
-    const double flops = attention_flops(batch_, S, S, spec) * (backward_ ? 2.5 : 1.0);
+    const double flops = attention_flops(shape_.batch, S, S, spec) * (backward_ ? 2.5 : 1.0);
     const Device dev = rt.device();
     const auto shard = [&](TensorId id, int64_t heads, int64_t dim, int64_t h0) {
-      return on_device(make_shard(id, p.layout, r, batch_, heads, dim, dtype_, h0), dev);
+      return on_device(make_shard(id, p.layout, r, shape_.batch, heads, dim, shape_.dtype, h0),
+                       dev);
     };
     const Tensor q = shard(kQ, spec.heads_q, spec.head_dim, hq0);
     const Tensor k = shard(kK, spec.heads_kv, spec.head_dim, hk0);
@@ -189,9 +165,10 @@ class Prefill final : public Workload {
       synchronize(dev);
     };
     const uint64_t model =
-        backward_
-            ? attention_backward_send_bytes(strategy_, p.layout, spec, batch_, dtype_, ulysses_, r)
-            : attention_send_bytes(strategy_, p.layout, spec, batch_, dtype_, ulysses_, r);
+        backward_ ? attention_backward_send_bytes(strategy_, p.layout, spec, shape_.batch,
+                                                  shape_.dtype, ulysses_, r)
+                  : attention_send_bytes(strategy_, p.layout, spec, shape_.batch, shape_.dtype,
+                                         ulysses_, r);
     call.model_bytes = [&] { return model; };
     call.counted = [](const ByteCounters& n) { return n.bytes("send") + n.bytes("alltoall"); };
     const Timing tm = b.time(c.label, call);
@@ -202,10 +179,9 @@ class Prefill final : public Workload {
     row.result = {pass, strategy_name(strategy_), problem_.layout(), S, rt.size(), tm.mean_ms};
     row.result.tflops_per_rank = tflops;
     row.take_bytes(tm);
-    const double imbal = imbalance(p);
-    row.extra.add("local_seq", p.layout.max_local_len())
-        .add("imbalance", imbal)
-        .add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
+    const double imbal = flop_spread(p).imbalance;
+    row.extra.add("local_seq", p.layout.max_local_len()).add("imbalance", imbal);
+    row.extra.add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
     if (b.check()) {
       const auto [out, lse] = check_rows(to_host(res), p, r, t, b.per_gpu());
       const auto [o, l] = row.take_check(out, lse);
@@ -232,7 +208,8 @@ class Prefill final : public Workload {
       std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
       if (problem_.documents() > 0) kinds.push_back("varlen");
       for (const std::string& kind : kinds) {
-        const double v = imbalance(problem_.make(heads(), S, P, kind, problem_.mask(), 1));
+        const double v =
+            flop_spread(problem_.make(heads(), S, P, kind, problem_.mask(), 1)).imbalance;
         line += cat(" ", kind, kind == "striped" ? "(1) " : " ", fixed(v, 2));
         lb.add(kind, v);
       }
@@ -240,11 +217,10 @@ class Prefill final : public Workload {
     }
     if (!b.root()) return;
     std::printf(
-        "# Check: #wrong = elements over tolerance against float64 (%lld query rows per rank,\n"
-        "#   all keys, heads, out and lse; N/A with -k 0) + byte model mismatches. time = max\n"
-        "#   over ranks of the mean per-iteration time; TFLOP/s = attention_flops / P / time;\n"
-        "#   imbal = max / mean over cp ranks of attention_rank_flops; sent = point-to-point +\n"
-        "#   all-to-all payload per rank per iteration, max over ranks (1 MB = 1e6 B).\n",
+        "# Check: #wrong = elements over tolerance against float64 (%lld query rows per "
+        "rank, out and lse) + byte model mismatches\n# time: max over ranks of the mean; "
+        "TFLOP/s = attention_flops / P / time; imbal = max / mean of attention_rank_flops; "
+        "sent = point-to-point + all-to-all per rank, max over ranks (1 MB = 1e6 B)\n",
         static_cast<long long>(kSampleRows));
     if (b.check()) {
       const auto [out, lse] = tolerance(b.per_gpu());
@@ -259,42 +235,29 @@ class Prefill final : public Workload {
 
   void plan(Plan& pl) const override {
     const int P = e_.launch.cp, T = e_.launch.tp;
-    const int64_t Hl = heads_ / T, Gl = kv_heads_ / T, R = P / ulysses_;
+    const int64_t Hl = shape_.heads / T, Gl = shape_.kv_heads / T, R = P / ulysses_;
     pl.grid(cat("strategy ", strategy_name(strategy_), " U ", ulysses_, "; layout ",
-                problem_.layout_desc(), "; dtype ", dtype_name(dtype_), "; batch ", batch_,
-                " heads ", heads_, " kv-heads ", kv_heads_, " head-dim ", head_dim_),
+                problem_.layout_desc(), "; ", shape_.words()),
             ulysses_ == 1
                 ? ""
                 : cat("; hybrid: ", R, " Ulysses group(s) of ", ulysses_, " consecutive cp ranks, ",
                       ulysses_, " ring group(s) of ", R, " cp ranks"));
-    std::vector<double> gflop, mb;
     for (int64_t S : seqs_) {
       const Problem p = problem(S, P);
-      gflop = rank_flops(p), mb.clear();
-      for (int c = 0; c < P; ++c)
-        mb.push_back(
-            double(attention_send_bytes(strategy_, p.layout, p.spec, batch_, dtype_, ulysses_, c)) /
-            1e6);
-      double sum = 0;
-      for (double& f : gflop)
-        sum += f /= 1e9;
-      pl.line(cat("seq ", S, ", ", p.spec.mask.str(), ": ", fixed(sum * T / 1e3, 3),
-                  " TFLOP in all (model, tiles computed), per rank max ",
-                  fixed(*std::max_element(gflop.begin(), gflop.end()), 3), " GFLOP, imbalance ",
-                  fixed(imbalance(p), 3), ", sent per rank max ",
-                  fixed(*std::max_element(mb.begin(), mb.end()), 3), " MB per forward"));
+      const Spread f = flop_spread(p), mb = spread(P, [&](int c) { return send_mb(p, c); });
+      pl.line(cat("seq ", S, ", ", p.spec.mask.str(), ": ", fixed(f.sum / 1e9 * T / 1e3, 3),
+                  " TFLOP in all (model, tiles computed), per rank max ", fixed(f.max / 1e9, 3),
+                  " GFLOP, imbalance ", fixed(f.imbalance, 3), ", sent per rank max ",
+                  fixed(mb.max, 3), " MB per forward"));
     }
-    const Layout layout = problem(seqs_.back(), P).layout;
+    const Problem last = problem(seqs_.back(), P);
+    const Layout& layout = last.layout;
     pl.line(cat("per rank, seq ", seqs_.back(), ":"));
-    pl.table({{"rank", "", 6},
-              {"cp", "", 5},
-              {"tp", "", 4},
-              {"tokens", "(local)", 9},
-              {"q_heads", "", 9},
-              {"kv_heads", "", 9},
-              {"GFLOP", "(model)", 11},
-              {"send", "(MB)", 10},
+    // clang-format off
+    pl.table({{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}, {"tokens", "(local)", 9},
+              {"q_heads", "", 9}, {"kv_heads", "", 9}, {"GFLOP", "(model)", 11}, {"send", "(MB)", 10},
               {"global positions", "(runs)", 0}});
+    // clang-format on
     pl.for_shown(P * T, [&](int w) {
       const int c = w / T, tp = w % T;
       std::vector<std::string> runs;
@@ -302,33 +265,27 @@ class Prefill final : public Workload {
         runs.push_back(report::run_desc(run));
       pl.row({std::to_string(w), std::to_string(c), std::to_string(tp),
               std::to_string(layout.local_len(c)), report::index_range(tp * Hl, Hl),
-              report::index_range(tp * Gl, Gl), fixed(gflop[size_t(c)], 3), fixed(mb[size_t(c)], 3),
-              report::join(runs, " ")});
+              report::index_range(tp * Gl, Gl), fixed(rank_flops(last, c) / 1e9, 3),
+              fixed(send_mb(last, c), 3), report::join(runs, " ")});
     });
   }
 
  private:
   // One tp rank's heads.
-  AttnSpec heads() const {
-    AttnSpec h;
-    h.heads_q = heads_ / e_.launch.tp;
-    h.heads_kv = kv_heads_ / e_.launch.tp;
-    h.head_dim = head_dim_;
-    return h;
-  }
+  AttnSpec heads() const { return shape_.spec(Mask::none()); }
   Problem problem(int64_t S, int P) const { return problem_.make(heads(), S, P); }
 
-  // attention_rank_flops of every cp rank, and their max over mean (1: balanced).
-  std::vector<double> rank_flops(const Problem& p) const {
-    std::vector<double> f;
-    for (int r = 0; r < p.layout.ranks(); ++r)
-      f.push_back(attention_rank_flops(strategy_, p.layout, p.spec, batch_, ulysses_, r));
-    return f;
+  // attention_rank_flops and the forward's MB sent of cp rank r; the FLOPs over every cp rank.
+  double rank_flops(const Problem& p, int r) const {
+    return attention_rank_flops(strategy_, p.layout, p.spec, shape_.batch, ulysses_, r);
   }
-  double imbalance(const Problem& p) const {
-    const std::vector<double> f = rank_flops(p);
-    const double sum = std::accumulate(f.begin(), f.end(), 0.0);
-    return sum > 0 ? *std::max_element(f.begin(), f.end()) / (sum / double(f.size())) : 1.0;
+  double send_mb(const Problem& p, int r) const {
+    return double(attention_send_bytes(strategy_, p.layout, p.spec, shape_.batch, shape_.dtype,
+                                       ulysses_, r)) /
+           1e6;
+  }
+  Spread flop_spread(const Problem& p) const {
+    return spread(p.layout.ranks(), [&](int r) { return rank_flops(p, r); });
   }
 
   // The kernel computes in fp32 from the stored values the reference reads, so fp32 rounding
@@ -336,9 +293,10 @@ class Prefill final : public Workload {
   // The CUDA kernel rounds P to the storage dtype before O += P V: out bounds of a 16-bit
   // rounding (2^-8 bf16, 2^-10 fp16 relative).
   std::pair<Tolerance, Tolerance> tolerance(bool gpu) const {
-    if (dtype_ == DType::f32) return {{1e-4, 1e-4}, {1e-4, 1e-4}};
+    if (shape_.dtype == DType::f32) return {{1e-4, 1e-4}, {1e-4, 1e-4}};
     if (gpu)
-      return {dtype_ == DType::bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3}, {2e-4, 2e-4}};
+      return {shape_.dtype == DType::bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3},
+              {2e-4, 2e-4}};
     return {{2e-4, 2e-3}, {2e-4, 2e-4}};
   }
 
@@ -356,16 +314,15 @@ class Prefill final : public Workload {
       pos.push_back(p.layout.global_position(rank, rows.back()));
       lo = std::min(lo, pos.back()), hi = std::max(hi, pos.back());
     }
-    std::pair<CheckStats, CheckStats> st;
-    if (n == 0) return st;
+    if (n == 0) return {};
     const int64_t key_begin = spec.mask.left >= 0 ? std::max<int64_t>(0, lo - spec.mask.left) : 0;
     const int64_t key_end =  // hi + right + 1 could overflow for a huge right window
         spec.mask.right >= 0 ? hi + 1 + std::min(spec.mask.right, S - 1 - hi) : S;
-    const RefShape shape{batch_, H, spec.heads_kv, spec.head_dim, Dv, double(spec.scale())};
+    const RefShape shape{shape_.batch, H, spec.heads_kv, spec.head_dim, Dv, double(spec.scale())};
     const auto row = [&](uint64_t id, int64_t b, int64_t ps, int64_t h, int64_t dim, float* out) {
       const uint64_t key = row_key(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h);
       for (int64_t d = 0; d < dim; ++d)
-        out[d] = input_value(key, d, dtype_);
+        out[d] = input_value(key, d, shape_.dtype);
     };
     const DecodeReference ref = merge_states(
         shape, n,
@@ -373,15 +330,15 @@ class Prefill final : public Workload {
                        [&](int64_t qp, int64_t kp) { return spec.mask.visible(qp, kp); }),
         1);
     const auto [tol_out, tol_lse] = tolerance(gpu);
-    compare_rows(res, ref, rows, 0, tol_out, tol_lse, st.first, st.second);
-    return st;
+    DecodeCheck c;
+    c.compare(res, ref.out.data(), ref.lse.data(), H, 0, tol_out, tol_lse, &rows);
+    return {c.out, c.lse};
   }
 
-  int64_t batch_ = 1, heads_ = 8, kv_heads_ = 2, head_dim_ = 128;
+  Shape shape_{.dtype_name = "bf16"};
   int64_t seq_begin_ = 4096, seq_end_ = 0, seq_factor_ = 2;
-  std::string dtype_name_ = "bf16", strategy_name_ = "ring";
+  std::string strategy_name_ = "ring";
   ProblemOptions problem_;
-  DType dtype_ = DType::bf16;
   Strategy strategy_ = Strategy::ring;
   int ulysses_ = 1;
   std::vector<int64_t> seqs_;

@@ -47,7 +47,7 @@ struct Inputs {
                     ((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? 1.f : -1.f));
   }
   // The `dim` stored values of one row.
-  void row(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
+  void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
     const uint64_t key = row_key(id, b, pos, h);
     const bool sunk = sink != 0.f && (id == kQ || (id == kK && pos < kSinkTokens));
     for (int64_t d = 0; d < dim; ++d) {
@@ -61,18 +61,6 @@ struct Inputs {
   float sink;
   std::vector<float> dir;
 };
-
-// The max, the sum and the max / mean of f(0 .. n-1).
-struct Spread {
-  double max = 0, sum = 0, imbalance = 1;
-};
-Spread spread(int n, const std::function<double(int)>& f) {
-  Spread s;
-  for (int r = 0; r < n; ++r)
-    s.max = std::max(s.max, f(r)), s.sum += f(r);
-  if (s.sum > 0) s.imbalance = s.max / (s.sum / n);
-  return s;
-}
 
 // star's phase 1 against the exact result over every row of every rank, as an accuracy row;
 // first_rows: how many of this rank's first rows form block 0 (0 on the other ranks).
@@ -112,44 +100,8 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
   return row;
 }
 
-struct Check {  // decode results against others, out and lse apart
-  CheckStats out, lse;
-  uint64_t wrong() const { return out.wrong + lse.wrong; }
-  std::string line(const char* what) const {
-    return cat(wrong(), " wrong; max |", what, "| out ", sci(out.max_err, 2), ", lse ",
-               sci(lse.max_err, 2));
-  }
-  std::string json() const {
-    report::JsonObject j;
-    j.add("checked", int64_t(out.checked + lse.checked)).add("wrong", int64_t(wrong()));
-    return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
-  }
-  // got (out [B, S_q, Hl, D], lse [B, Hl, S_q]) against arrays of that layout with Hr heads, of
-  // which got's are h0 .. h0 + Hl - 1: element i of got, with `inner` elements after its head
-  // index, is element at(i, inner) of the arrays.
-  template <typename T>
-  void compare(const Partial& got, const T* ref_out, const T* ref_lse, int64_t Hr, int64_t h0,
-               const Tolerance& tol) {
-    const int64_t Hl = got.lse.size(1);
-    const auto at = [&](int64_t i, int64_t inner) {
-      return (i / inner / Hl * Hr + h0 + i / inner % Hl) * inner + i % inner;
-    };
-    for (int64_t i = 0; i < got.out.numel(); ++i)
-      out.compare(got.out.ptr<float>()[i], ref_out[at(i, got.out.size(3))], tol);
-    for (int64_t i = 0; i < got.lse.numel(); ++i)
-      lse.compare(got.lse.ptr<float>()[i], ref_lse[at(i, got.lse.size(2))], tol);
-  }
-};
-
 class StarWorkload final : public Workload {
  public:
-  const char* name() const override { return "star"; }
-  const char* program() const override { return "dattn-star-bench"; }
-  const char* summary() const override {
-    return "star attention, phase 1 (context encoding) against ring attention and its accuracy, "
-           "phase 2 (decode) against tree decode";
-  }
-  const char* title() const override { return "dattn star attention benchmark"; }
   Defaults defaults() const override {
     Defaults d;
     d.iters = 3;
@@ -165,13 +117,6 @@ class StarWorkload final : public Workload {
        "tokens per block b of the blocks layout (rank r holds blocks r*nb/P .. (r+1)*nb/P - 1)")
       ("anchor", po::value(&anchor_)->value_name("arg (=block)"),
        "anchor a: the context's first tokens that prefix every rank's (0 .. block; 0 = off)")
-      ("batch,b", po::value(&batch_)->default_value(batch_), "batch size B")
-      ("heads,H", po::value(&heads_)->default_value(heads_), "query heads H_q")
-      ("kv-heads,G", po::value(&kv_heads_)->default_value(kv_heads_),
-       "key/value heads H_kv (H_q must be a multiple)")
-      ("head-dim,d", po::value(&dim_)->default_value(dim_), "head dimension D")
-      ("dtype,t", po::value(&dtype_name_)->default_value(dtype_name_),
-       "storage dtype: fp32, bf16 or fp16")
       ("new-tokens,q", po::value(&new_tokens_)->default_value(new_tokens_),
        "tokens S_q per decode step (queries, and K/V appended to the cache)")
       ("steps", po::value(&steps_)->default_value(steps_), "decode steps (phase 2)")
@@ -179,15 +124,13 @@ class StarWorkload final : public Workload {
        "attention sink strength s: the first 4 keys and every query get s times a fixed "
        "direction (the sink keys' logits rise by about s^2); 0 = no sink");
     // clang-format on
+    shape_.add_options(desc);
   }
 
   void resolve(const po::variables_map& vm, const EngineOptions& e) override {
     e_ = e;
-    const int tp = e.launch.tp;
     require_option(seq_ >= 1, "--seq", seq_, ">= 1");
-    require_option(batch_ >= 1, "--batch", batch_, ">= 1");
-    require_option(heads_ >= 1, "--heads", heads_, ">= 1");
-    require_option(dim_ >= 1, "--head-dim", dim_, ">= 1");
+    shape_.resolve(e.launch.tp);
     require_option(new_tokens_ >= 1, "--new-tokens", new_tokens_, ">= 1");
     require_option(steps_ >= 1, "--steps", steps_, ">= 1");
     if (!vm.count("block")) block_ = std::max<int64_t>(1, seq_ / 16);
@@ -196,18 +139,8 @@ class StarWorkload final : public Workload {
     if (!vm.count("anchor")) anchor_ = block_;
     require_option(anchor_ >= 0 && anchor_ <= block_, "--anchor", anchor_,
                    cat(">= 0 and <= --block (", block_, ")"));
-    require_option(kv_heads_ >= 1 && heads_ % kv_heads_ == 0, "--kv-heads", kv_heads_,
-                   cat(">= 1 and dividing --heads (", heads_, ")"));
-    require_option(kv_heads_ % tp == 0, "--kv-heads", kv_heads_,
-                   cat("divisible by --tp (", tp, "): tensor parallelism splits the heads"));
     require_option(std::isfinite(sink_) && sink_ >= 0, "--sink", sink_, ">= 0");
-    try {
-      dtype_ = parse_dtype(dtype_name_);
-    } catch (const Error&) {
-      require_option(false, "--dtype", dtype_name_, "fp32, bf16 or fp16");
-    }
-    spec_.heads_q = heads_ / tp, spec_.heads_kv = kv_heads_ / tp, spec_.head_dim = dim_;
-    spec_.mask = Mask::causal();
+    spec_ = shape_.spec();
     spec_.validate();
     // The accuracy part's problem: an anchor stays >= 1 token, and a = b stays a = b.
     acc_seq_ = std::min(seq_, kAccuracyMaxSeq);
@@ -219,23 +152,19 @@ class StarWorkload final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    const int P = rt.cp_size();
-    return {cat("ranks ", rt.size(), " (cp ", P, " x tp ", rt.tp_size(), ") threads/rank ",
-                rt.threads(), " seq ", seq_, " block ", block_, " anchor ", anchor_,
-                " mask causal dtype ", dtype_name(dtype_), " sink ", sink_),
-            cat("batch ", batch_, " heads ", heads_, " kv-heads ", kv_heads_, " head-dim ", dim_,
-                " iters ", e_.iters, " warmup ", e_.warmup, " new-tokens ", new_tokens_, " steps ",
-                steps_, " check ", e_.check),
-            cat("phase 1: star_prefill over ", Layout::blocks(seq_, P, block_).str(),
-                " vs ring attention over ", Layout::zigzag(seq_, P).str(), "; accuracy at seq ",
-                acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
-                scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : "")};
+    std::vector<std::string> lines = Workload::config_lines(rt);
+    lines.push_back(
+        cat("phase 1: star_prefill over ", Layout::blocks(seq_, rt.cp_size(), block_).str(),
+            " vs ring attention over ", Layout::zigzag(seq_, rt.cp_size()).str(),
+            "; accuracy at seq ", acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
+            scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : ""));
+    return lines;
   }
 
   void config_json(report::JsonObject& cfg) const override {
     cfg.add("seq", seq_).add("block", block_).add("anchor", anchor_).add("mask", "causal");
-    cfg.add("dtype", dtype_name(dtype_)).add("batch", batch_).add("heads", heads_);
-    cfg.add("kv_heads", kv_heads_).add("head_dim", dim_).add("new_tokens", new_tokens_);
+    shape_.json(cfg);
+    cfg.add("new_tokens", new_tokens_);
     cfg.add("steps", steps_).add("sink", sink_);
   }
 
@@ -273,14 +202,9 @@ class StarWorkload final : public Workload {
   // This tp rank's slice [B, n, heads, D] of tensor id at the global positions pos(0 .. n-1).
   template <typename Pos>
   Tensor make(const Inputs& in, TensorId id, const Runtime& rt, int64_t n, const Pos& pos) const {
-    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, h0 = rt.tp_rank() * heads;
-    Tensor t = Tensor::empty({batch_, n, heads, dim_}, DType::f32);
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < batch_; ++b)
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t h = 0; h < heads; ++h)
-          in.row(id, b, pos(i), h0 + h, dim_, t.ptr<float>() + ((b * n + i) * heads + h) * dim_);
-    return dtype_ == DType::f32 ? t : t.to(dtype_);  // exact: the values are rounded to it
+    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv;
+    return make_rows(in, id, shape_.batch, n, pos, heads, rt.tp_rank() * heads, shape_.head_dim,
+                     shape_.dtype);
   }
   Tensor shard(const Inputs& in, TensorId id, const Runtime& rt, const Layout& l) const {
     const int r = rt.cp_rank();
@@ -304,45 +228,43 @@ class StarWorkload final : public Workload {
   std::vector<Row> run_accuracy(Bench& b);
   std::vector<Row> run_phase2(Bench& b);
 
-  int64_t seq_ = 32768, block_ = 0, anchor_ = -1, batch_ = 1, heads_ = 8, kv_heads_ = 2;
-  int64_t dim_ = 128, new_tokens_ = 1;
+  int64_t seq_ = 32768, block_ = 0, anchor_ = -1, new_tokens_ = 1;
+  Shape shape_;
   int steps_ = 5;
   double sink_ = 4.0;
-  std::string dtype_name_ = "fp32";
-  DType dtype_ = DType::f32;
   EngineOptions e_;
   AttnSpec spec_;  // causal, one tp rank's heads
   int64_t acc_seq_ = 0, acc_block_ = 0, acc_anchor_ = 0;
   // For finish: phase 1's FLOP model max (star, ring) and phase 2's checks.
   double gflop_max_[2] = {0, 0};
-  Check vs_tree_, vs_ref_[2];  // star vs tree; star and tree vs float64
+  DecodeCheck vs_tree_, vs_ref_[2];  // star vs tree; star and tree vs float64
 };
 
 Row StarWorkload::run_phase1(Bench& b, bool star) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = star ? Layout::blocks(seq_, P, block_) : Layout::zigzag(seq_, P);
-  const Inputs in(dtype_, sink_, dim_);
+  const Inputs in(shape_.dtype, sink_, shape_.head_dim);
   const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
   TimedCall call;
   call.call = [&] {
     (void)(star ? star_prefill(rt, q, k, v, spec_, l, anchor_)
                 : attention(rt, q, k, v, spec_, l, Strategy::ring));
   };
-  const uint64_t model = star
-                             ? star_prefill_send_bytes(l, spec_, batch_, dtype_, anchor_, r)
-                             : attention_send_bytes(Strategy::ring, l, spec_, batch_, dtype_, 1, r);
+  const uint64_t model =
+      star ? star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, r)
+           : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
   call.model_bytes = [model] { return model; };
   const Timing t = b.time(star ? "star phase 1 star_prefill" : "star phase 1 ring attention", call);
   const auto flops = [&](int rank) {
-    return star ? star_prefill_flops(l, spec_, batch_, anchor_, rank)
-                : attention_rank_flops(Strategy::ring, l, spec_, batch_, 1, rank);
+    return star ? star_prefill_flops(l, spec_, shape_.batch, anchor_, rank)
+                : attention_rank_flops(Strategy::ring, l, spec_, shape_.batch, 1, rank);
   };
   const auto [max, sum, imbalance] = spread(P, flops);
   gflop_max_[star ? 0 : 1] = max / 1e9;
   // TFLOP/s per rank of star's own (approximate) problem, its exact visible pairs; ring's as the
   // prefill workload reports it, the causal attention model over all S tokens.
-  const double total = star ? sum : attention_flops(batch_, seq_, seq_, spec_);
+  const double total = star ? sum : attention_flops(shape_.batch, seq_, seq_, spec_);
   Row row =
       timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms, total, 0, t);
   row.extra.add("model_gflop_max", max / 1e9).add("imbalance", imbalance);
@@ -367,15 +289,15 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
              ": star vs exact (ring over ", l.str(), ") ..."));
   std::vector<Row> rows;
   for (double sink : sink_ != 0 ? std::vector<double>{sink_, 0.0} : std::vector<double>{0.0}) {
-    const Inputs in(dtype_, sink, dim_);
+    const Inputs in(shape_.dtype, sink, shape_.head_dim);
     const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
     const Partial exact = attention(rt, q, k, v, spec_, l, Strategy::ring);
     for (int64_t a :
          acc_anchor_ != 0 ? std::vector<int64_t>{acc_anchor_, 0} : std::vector<int64_t>{0}) {
       rt.reset_counters();
       const Partial star = star_prefill(rt, q, k, v, spec_, l, a);
-      const bool off =
-          rt.counters().data_bytes() != star_prefill_send_bytes(l, spec_, batch_, dtype_, a, r);
+      const bool off = rt.counters().data_bytes() !=
+                       star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, a, r);
       rows.push_back(accuracy_row(star, exact, std::min(block0, l.local_len(r)), sink, a,
                                   allreduce_sum(off ? 1 : 0)));
     }
@@ -390,12 +312,12 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = Layout::blocks(seq_, P, block_);
-  const Inputs in(dtype_, sink_, dim_);
+  const Inputs in(shape_.dtype, sink_, shape_.head_dim);
   std::vector<KvCache> caches;
   const Tensor k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
   for (int i = 0; i < 2; ++i)
-    caches.emplace_back(P, r, spec_, batch_, dtype_, l.max_local_len() + steps_ * new_tokens_,
-                        Placement::last_rank);
+    caches.emplace_back(P, r, spec_, shape_.batch, shape_.dtype,
+                        l.max_local_len() + steps_ * new_tokens_, Placement::last_rank);
   std::vector<Partial> res[2];
   Timing t[2];
   for (int i = 0; i < 2; ++i) {
@@ -422,20 +344,18 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   }
   for (int s = 0; b.check() && s < steps_; ++s) {
     const DecodeReference ref = decode_reference(
-        {batch_, new_tokens_, heads_, kv_heads_, dim_}, seq_ + (s + 1) * new_tokens_, kQ, kK, kV,
-        [&](uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) {
-          in.row(id, b, pos, h, dim, out);
-        });
+        {shape_.batch, new_tokens_, shape_.heads, shape_.kv_heads, shape_.head_dim},
+        seq_ + (s + 1) * new_tokens_, kQ, kK, kV, in);
     if (r != P - 1) continue;  // the query rank holds the results
     const Partial& tree = res[1][size_t(s)];
     vs_tree_.compare(res[0][size_t(s)], tree.out.ptr<float>(), tree.lse.ptr<float>(), spec_.heads_q,
-                     0, kSame);
+                     0, kSame, kSame);
     for (int i = 0; i < 2; ++i)
-      vs_ref_[i].compare(res[i][size_t(s)], ref.out.data(), ref.lse.data(), heads_,
-                         rt.tp_rank() * spec_.heads_q, kTol);
+      vs_ref_[i].compare(res[i][size_t(s)], ref.out.data(), ref.lse.data(), shape_.heads,
+                         rt.tp_rank() * spec_.heads_q, kTol, kTol);
   }
-  for (Check* c : {&vs_tree_, &vs_ref_[0], &vs_ref_[1]})
-    c->out = c->out.reduced(), c->lse = c->lse.reduced();
+  for (DecodeCheck* c : {&vs_tree_, &vs_ref_[0], &vs_ref_[1]})
+    *c = c->reduced();
   AttnSpec unmasked = spec_;  // a step's queries see every key of the context
   unmasked.mask = Mask::none();
   std::vector<Row> rows;
@@ -445,7 +365,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     // row has the same layout.
     Row& row = rows.emplace_back(
         timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
-                  attention_flops(batch_, new_tokens_, seq_, unmasked), wrong, t[i]));
+                  attention_flops(shape_.batch, new_tokens_, seq_, unmasked), wrong, t[i]));
     row.extra.add("p50_ms", t[i].p50_ms).add("byte_mismatches", int64_t(row.byte_mismatches));
     row.extra.add("wrong_check", int64_t(wrong));
     row.cells = {
@@ -463,14 +383,11 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
   const double latency = star2.time_ms / tree.time_ms;
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
-  b.note("Check: every call's bytes must equal its model and block 0's rows of star's phase 1");
-  b.note(cat("  must equal exact attention (rel_err <= ", kRank0RelTol,
-             ", |lse diff| <= ", kRank0LseTol, "), else #wrong."));
+  b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",
+             "(rel_err <= ", kRank0RelTol, ", |lse diff| <= ", kRank0LseTol, ")"));
   if (b.check() && b.root()) {
-    b.note(cat("Check: every decode step on the query rank: star against tree within ", kSame.abs,
-               " + ", kSame.rel, "*|tree|,"));
-    b.note(
-        cat("  both against float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|, else #wrong."));
+    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSame.abs, " + ",
+               kSame.rel, "*|tree|, both vs float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|"));
     report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
     report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
     report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
@@ -508,21 +425,16 @@ void StarWorkload::plan(Plan& p) const {
   const int W = o.world, P = o.cp, T = o.tp;
   const int64_t Hl = spec_.heads_q, Gl = spec_.heads_kv;
   const Layout l = Layout::blocks(seq_, P, block_);
-  const KvCache cache(P, 0, spec_, batch_, dtype_, 0, Placement::last_rank);
-  const auto flops = [&](int c) { return star_prefill_flops(l, spec_, batch_, anchor_, c); };
+  const KvCache cache(P, 0, spec_, shape_.batch, shape_.dtype, 0, Placement::last_rank);
+  const auto flops = [&](int c) { return star_prefill_flops(l, spec_, shape_.batch, anchor_, c); };
   const auto mb = [&](int c) {
-    return double(star_prefill_send_bytes(l, spec_, batch_, dtype_, anchor_, c)) / 1e6;
+    return double(star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, c)) / 1e6;
   };
   const auto [max, sum, imbalance] = spread(P, flops);
-  p.line(cat("world ", W, " ranks = cp ", P, " x tp ", T, " (tp is the fastest rank index); seq ",
-             seq_, " block ", block_, " anchor ", anchor_, "; mask causal dtype ",
-             dtype_name(dtype_), "; batch ", batch_, " heads ", heads_, " kv-heads ", kv_heads_,
-             " head-dim ", dim_, "; iters ", p.opts().iters, " warmup ", p.opts().warmup,
-             " new-tokens ", new_tokens_, " steps ", steps_));
-  p.line(cat("communicators: ", T, " cp group(s) of ", P, " ranks (cp group t: world ranks t, t+",
-             T, ", ...); ", P, " tp group(s) of ", T,
-             " consecutive ranks; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
-  p.line(cat("device: ", device_plan(o)));
+  p.grid(cat("seq ", seq_, " block ", block_, " anchor ", anchor_, "; mask causal ", shape_.words(),
+             "; iters ", p.opts().iters, " warmup ", p.opts().warmup, " new-tokens ", new_tokens_,
+             " steps ", steps_),
+         cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
              " TFLOP in all (model: exact visible pairs), per rank max ", fixed(max / 1e9, 3),
              " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, ",

@@ -123,11 +123,11 @@ int as_int(size_t n, const char* what) {
 // The steady clock is read once per test (a vDSO read on Linux, not a syscall); the time
 // between two reads is a test's duration. On a transport whose idle test takes longer than
 // that, every test looks busy and the loop never sleeps: the blocking wait's behaviour.
-// Measured alternative that lost: sleeping once the first millisecond had passed, busy or
-// not. Large transfers need both sides testing; with both asleep between tests a 64 MiB
-// sendrecv 5 ms late was 4-6x slower than with MPI's blocking calls, a 64 MiB allreduce 4x.
-// With this rule both are as fast as the blocking calls or faster (on a loaded 2-core machine),
-// and a rank that waits 3 s for a late peer uses 0.12-0.15 s of CPU instead of 2-2.7 s.
+// Why spin again after data moved, rather than sleep whenever the first millisecond has passed:
+// large transfers need both sides testing; with both asleep between tests a 64 MiB sendrecv 5 ms
+// late is 4-6x slower than with MPI's blocking calls, a 64 MiB allreduce 4x. With this rule both
+// are as fast as the blocking calls or faster (on a loaded 2-core machine), and a rank that waits
+// 3 s for a late peer uses 0.12-0.15 s of CPU instead of the 2-2.7 s of a blocking wait.
 
 constexpr double kSpinS = 1e-3;           // spin this long at the start and after data moved
 constexpr double kBusyTestS = 3e-6;       // a test that took longer moved data...

@@ -26,9 +26,8 @@ inline uint64_t row_key(uint64_t id, int64_t b, int64_t pos, int64_t h) {
   return mix64(x ^ uint64_t(h));
 }
 
-// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype: the value the kernel reads.
-inline float input_value(uint64_t row, int64_t d, DType dtype) {
-  const float x = float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f;
+// x rounded to the storage dtype: the value the kernel reads.
+inline float round_to(float x, DType dtype) {
   switch (dtype) {
     case DType::f32:
       return x;
@@ -38,6 +37,12 @@ inline float input_value(uint64_t row, int64_t d, DType dtype) {
       return to_float(to_f16(x));
   }
   return x;
+}
+
+// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype.
+inline float input_value(uint64_t row, int64_t d, DType dtype) {
+  return round_to(float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f,
+                  dtype);
 }
 
 // One row of tensor `id` as stored: out[d] = input_value(row_key(id, b, pos, h), d, dtype), the

@@ -42,6 +42,16 @@ uint64_t allreduce_sum(uint64_t v) {
   return v;
 }
 
+std::string verdict(bool is_target, bool met, const char* otherwise) {
+  return !is_target ? otherwise : met ? ": met" : ": NOT met";
+}
+
+double RelL2::reduced() const {
+  double s[2] = {d2, r2};
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  return std::sqrt(s[1] > 0 ? s[0] / s[1] : s[0]);
+}
+
 Spread spread(int n, const std::function<double(int)>& f) {
   Spread s;
   for (int r = 0; r < n; ++r) {

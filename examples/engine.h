@@ -294,6 +294,19 @@ class Bench {
 double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
+// The relative L2 error ||got - ref|| / ||ref|| (||got - ref|| when ref is 0) of elements on
+// every rank: add() each of this rank's, then reduced() (collective).
+struct RelL2 {
+  double d2 = 0, r2 = 0;  // the sums of (got - ref)^2 and of ref^2
+  void add(double got, double ref) {
+    d2 += (got - ref) * (got - ref);
+    r2 += ref * ref;
+  }
+  double reduced() const;
+};
+// A footer's verdict on a target: ": met" or ": NOT met" when this run is the target's
+// configuration, else `otherwise` (e.g. " (not the target configuration)").
+std::string verdict(bool is_target, bool met, const char* otherwise);
 // The max, the sum and the max / mean (1 when the sum is 0) of f(0 .. n-1), e.g. a model over
 // ranks.
 struct Spread {

@@ -1,8 +1,6 @@
-// The MLA workload (dattn-mla-bench) on the benchmark engine: one absorbed decode step of
-// multi-head latent attention (src/mla.h) over a cache of `context` latents on G ranks, by head
-// split and by TPLA (no, Hadamard or PCA transform; RoPE part split; logits scaled by G). Per
-// method: the cache bytes a rank holds and the bytes it sends against the models, the step
-// latency, and the error against exact MLA on three kinds of latents.
+// The MLA workload (src/mla.h) on the benchmark engine: one absorbed decode step over G ranks by
+// head split and by TPLA (no, Hadamard or PCA transform); per method its cache and sent bytes
+// against the models, the step latency and the error against exact MLA on three input kinds.
 #include <mpi.h>
 
 #include <algorithm>
@@ -149,11 +147,10 @@ struct Result {
 
 class Mla final : public Workload {
  public:
-  Defaults defaults() const override {
-    Defaults d;
-    d.iters_option = "steps,n", d.iters_help = "timed decode steps per method";
-    d.runs_on_cuda = true;  // head split and TPLA run on GPU tensors too
-    return d;
+  Defaults defaults() const override {  // head split and TPLA run on GPU tensors too
+    return {.iters_option = "steps,n",
+            .iters_help = "timed decode steps per method",
+            .runs_on_cuda = true};
   }
 
   void add_options(po::options_description& desc) override {
@@ -201,9 +198,7 @@ class Mla final : public Workload {
 
   // mla_decode runs over rt.cp(): the Runtime's grid is cp = every rank, tp = 1.
   RuntimeOptions runtime_options(const EngineOptions& e) const override {
-    RuntimeOptions r;
-    r.device = e.launch.dev, r.threads = e.threads;
-    return r;
+    return {.device = e.launch.dev, .threads = e.threads};
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
@@ -347,17 +342,16 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
 
       // This rank's heads of out against exact MLA, their first hs against the float64 rule.
       Accuracy& a = res.acc[k];
-      double s[2] = {0, 0};  // the sums of (out - exact)^2 and of exact^2
+      RelL2 l2;
       for (int64_t row = 0; row < B_ * Sq_; ++row)
         for (int64_t j = 0; j < hn * dv; ++j) {
           const double got = out.ptr<float>()[(row * H + h0) * dv + j];
           const double ref = exact.ptr<float>()[row * hn * dv + j], diff = got - ref;
-          s[0] += diff * diff, s[1] += ref * ref;
+          l2.add(got, ref);
           a.max_abs = std::max(a.max_abs, std::isfinite(diff) ? std::abs(diff) : INFINITY);
           if (e_.check && j < hs * dv) a.f64.compare(got, f64[size_t(row * hs * dv + j)], kTol);
         }
-      DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-      a.rel_l2 = std::sqrt(s[1] > 0 ? s[0] / s[1] : s[0]), a.max_abs = allreduce_max(a.max_abs);
+      a.rel_l2 = l2.reduced(), a.max_abs = allreduce_max(a.max_abs);
       a.f64 = a.f64.reduced(), res.f64_wrong += a.f64.wrong;
       f64_max_ = std::max(f64_max_, a.f64.max_err);
       if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) res.exact_wrong += 1;
@@ -428,11 +422,8 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
   const bool cache_met = ratio <= target + 1e-12;
   b.note(cat("cache bytes per rank: tpla/head_split = ", fixed(ratio, 3),
              " (target <= 0.33 at G = 4: (", dc, "/4+", dr, ")/", dc + dr, " = ", fixed(target, 3),
-             ")",
-             G_ != 4     ? " (this run is not G = 4)"
-             : cache_met ? ": met"
-                         : ": NOT met",
-             "; split rope ", fixed(split, 3)));
+             ")", verdict(G_ == 4, cache_met, " (this run is not G = 4)"), "; split rope ",
+             fixed(split, 3)));
   report::JsonObject jcache, jout;
   jcache.add("tpla_over_head_split", ratio).add("split_rope_over_head_split", split);
   jcache.add("target_at_4_ranks", target).add("this_run_is_target", G_ == 4);
@@ -442,10 +433,8 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
     b.note(cat(k == 1 ? "outlier latents" : "outlier latents, aligned queries (outliers dominate",
                k == 1 ? "" : " the logits)", ": tpla rel err none ", sci(err(kNone, k), 1),
                ", hadamard ", sci(err(kHadamard, k), 1), " (target: hadamard < none)",
-               G_ == 1 ? " (G = 1: every row is exact MLA)"
-               : met   ? ": met"
-                       : ": NOT met",
-               "; pca ", sci(err(kPca, k), 1)));
+               verdict(G_ > 1, met, " (G = 1: every row is exact MLA)"), "; pca ",
+               sci(err(kPca, k), 1)));
     const std::string p = k == 1 ? "" : "aligned_";
     jout.add(p + "tpla_none_rel_err", err(kNone, k));
     jout.add(p + "tpla_hadamard_rel_err", err(kHadamard, k))

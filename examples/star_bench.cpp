@@ -50,12 +50,9 @@ struct Inputs {
   void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
     const uint64_t key = row_key(id, b, pos, h);
     const bool sunk = sink != 0.f && (id == kQ || (id == kK && pos < kSinkTokens));
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x = input_value(key, d, DType::f32) + (sunk ? sink * dir[size_t(d)] : 0.f);
-      out[d] = dtype == DType::bf16  ? to_float(to_bf16(x))
-               : dtype == DType::f16 ? to_float(to_f16(x))
-                                     : x;
-    }
+    for (int64_t d = 0; d < dim; ++d)
+      out[d] =
+          round_to(input_value(key, d, DType::f32) + (sunk ? sink * dir[size_t(d)] : 0.f), dtype);
   }
   DType dtype;
   float sink;
@@ -66,24 +63,22 @@ struct Inputs {
 // first_rows: how many of this rank's first rows form block 0 (0 on the other ranks).
 Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, double sink,
                  int64_t anchor, uint64_t byte_mismatches) {
-  // Sums: squared diff and squared ref of out, |lse diff| and count; then block 0's two.
   const int64_t n = exact.out.size(1), hd = exact.out.size(2) * exact.out.size(3);
-  double s[6] = {0, 0, 0, 0, 0, 0}, lse0 = 0;
+  RelL2 all, first;  // out over every row; over block 0's
   const float *so = star.out.ptr<float>(), *eo = exact.out.ptr<float>();
   for (int64_t i = 0; i < exact.out.numel(); ++i) {
-    const double d = double(so[i]) - double(eo[i]), e2 = double(eo[i]) * double(eo[i]);
-    s[0] += d * d, s[1] += e2;
-    if ((i / hd) % n < first_rows) s[4] += d * d, s[5] += e2;
+    all.add(so[i], eo[i]);
+    if ((i / hd) % n < first_rows) first.add(so[i], eo[i]);
   }
+  double s[2] = {0, double(exact.lse.numel())}, lse0 = 0;  // the sum of |lse diff|, the count
   const float *sl = star.lse.ptr<float>(), *el = exact.lse.ptr<float>();
   for (int64_t i = 0; i < exact.lse.numel(); ++i) {
     const double d = sl[i] == el[i] ? 0.0 : std::abs(double(sl[i]) - double(el[i]));
-    s[2] += d, s[3] += 1;
+    s[0] += d;
     if (i % n < first_rows) lse0 = std::max(lse0, std::isfinite(d) ? d : INFINITY);
   }
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 6, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-  const auto rel = [](double d2, double r2) { return std::sqrt(r2 > 0 ? d2 / r2 : d2); };
-  const double err = rel(s[0], s[1]), lse = s[3] > 0 ? s[2] / s[3] : 0, err0 = rel(s[4], s[5]);
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  const double err = all.reduced(), lse = s[1] > 0 ? s[0] / s[1] : 0, err0 = first.reduced();
   lse0 = allreduce_max(lse0);
   const bool exact0 = err0 <= kRank0RelTol && lse0 <= kRank0LseTol;
   Row row;
@@ -103,10 +98,7 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
 class StarWorkload final : public Workload {
  public:
   Defaults defaults() const override {
-    Defaults d;
-    d.iters = 3;
-    d.iters_help = "timed iterations of phase 1 and of ring attention";
-    return d;
+    return {.iters_help = "timed iterations of phase 1 and of ring attention", .iters = 3};
   }
 
   void add_options(po::options_description& desc) override {
@@ -114,15 +106,14 @@ class StarWorkload final : public Workload {
     desc.add_options()
       ("seq,s", po::value(&seq_)->default_value(seq_), "context length S")
       ("block", po::value(&block_)->value_name("arg (=S/16)"),
-       "tokens per block b of the blocks layout (rank r holds blocks r*nb/P .. (r+1)*nb/P - 1)")
+       "tokens per block b of the blocks layout")
       ("anchor", po::value(&anchor_)->value_name("arg (=block)"),
-       "anchor a: the context's first tokens that prefix every rank's (0 .. block; 0 = off)")
+       "anchor a: the first tokens every rank sees (0 .. block; 0 = off)")
       ("new-tokens,q", po::value(&new_tokens_)->default_value(new_tokens_),
-       "tokens S_q per decode step (queries, and K/V appended to the cache)")
+       "tokens S_q per decode step")
       ("steps", po::value(&steps_)->default_value(steps_), "decode steps (phase 2)")
       ("sink", po::value(&sink_)->default_value(sink_),
-       "attention sink strength s: the first 4 keys and every query get s times a fixed "
-       "direction (the sink keys' logits rise by about s^2); 0 = no sink");
+       "attention sink strength s (the first 4 keys and every query; 0 = no sink)");
     // clang-format on
     shape_.add_options(desc);
   }
@@ -164,8 +155,7 @@ class StarWorkload final : public Workload {
   void config_json(report::JsonObject& cfg) const override {
     cfg.add("seq", seq_).add("block", block_).add("anchor", anchor_).add("mask", "causal");
     shape_.json(cfg);
-    cfg.add("new_tokens", new_tokens_);
-    cfg.add("steps", steps_).add("sink", sink_);
+    cfg.add("new_tokens", new_tokens_).add("steps", steps_).add("sink", sink_);
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -199,19 +189,14 @@ class StarWorkload final : public Workload {
 
  private:
   bool scaled() const { return seq_ > kAccuracyMaxSeq; }
-  // This tp rank's slice [B, n, heads, D] of tensor id at the global positions pos(0 .. n-1).
-  template <typename Pos>
-  Tensor make(const Inputs& in, TensorId id, const Runtime& rt, int64_t n, const Pos& pos) const {
-    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv;
-    return make_rows(in, id, shape_.batch, n, pos, heads, rt.tp_rank() * heads, shape_.head_dim,
-                     shape_.dtype);
-  }
-  Tensor shard(const Inputs& in, TensorId id, const Runtime& rt, const Layout& l) const {
-    const int r = rt.cp_rank();
-    return make(in, id, rt, l.local_len(r), [&](int64_t i) { return l.global_position(r, i); });
-  }
-  Tensor tokens(const Inputs& in, TensorId id, const Runtime& rt, int64_t pos0) const {
-    return make(in, id, rt, new_tokens_, [&](int64_t i) { return pos0 + i; });
+  // This tp rank's slice [B, n, heads, D] of tensor id: its shard under l, or (no l) the
+  // decode step's tokens at positions pos0 ..
+  Tensor make(const Inputs& in, TensorId id, const Runtime& rt, const Layout* l,
+              int64_t pos0 = 0) const {
+    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, r = rt.cp_rank();
+    const auto pos = [&](int64_t i) { return l ? l->global_position(int(r), i) : pos0 + i; };
+    return make_rows(in, id, shape_.batch, l ? l->local_len(int(r)) : new_tokens_, pos, heads,
+                     rt.tp_rank() * heads, shape_.head_dim, shape_.dtype);
   }
   // A row of phase 1 or 2: the common JSON keys (TFLOP/s per rank from `flops`) and t's bytes.
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
@@ -245,7 +230,7 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = star ? Layout::blocks(seq_, P, block_) : Layout::zigzag(seq_, P);
   const Inputs in(shape_.dtype, sink_, shape_.head_dim);
-  const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
+  const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   TimedCall call;
   call.call = [&] {
     (void)(star ? star_prefill(rt, q, k, v, spec_, l, anchor_)
@@ -290,7 +275,7 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
   std::vector<Row> rows;
   for (double sink : sink_ != 0 ? std::vector<double>{sink_, 0.0} : std::vector<double>{0.0}) {
     const Inputs in(shape_.dtype, sink, shape_.head_dim);
-    const Tensor q = shard(in, kQ, rt, l), k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
+    const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
     const Partial exact = attention(rt, q, k, v, spec_, l, Strategy::ring);
     for (int64_t a :
          acc_anchor_ != 0 ? std::vector<int64_t>{acc_anchor_, 0} : std::vector<int64_t>{0}) {
@@ -299,37 +284,34 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
       const bool off = rt.counters().data_bytes() !=
                        star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, a, r);
       rows.push_back(accuracy_row(star, exact, std::min(block0, l.local_len(r)), sink, a,
-                                  allreduce_sum(off ? 1 : 0)));
+                                  allreduce_sum(uint64_t(off))));
     }
   }
   return rows;
 }
 
-// Two caches (last_rank placement) prefilled with the blocks shards; each step appends S_q
-// tokens' K/V to one and decodes their queries: every star_decode step, then every tree step;
+// A cache (last_rank placement) per strategy, prefilled with the blocks shards; each step appends
+// S_q tokens' K/V to one and decodes their queries: every star_decode step, then every tree step;
 // with the check, each step of both against float64 and star against tree, on the query rank.
 std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = Layout::blocks(seq_, P, block_);
   const Inputs in(shape_.dtype, sink_, shape_.head_dim);
-  std::vector<KvCache> caches;
-  const Tensor k = shard(in, kK, rt, l), v = shard(in, kV, rt, l);
-  for (int i = 0; i < 2; ++i)
-    caches.emplace_back(P, r, spec_, shape_.batch, shape_.dtype,
-                        l.max_local_len() + steps_ * new_tokens_, Placement::last_rank);
+  const Tensor k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   std::vector<Partial> res[2];
   Timing t[2];
   for (int i = 0; i < 2; ++i) {
-    KvCache& cache = caches[size_t(i)];
+    KvCache cache(P, r, spec_, shape_.batch, shape_.dtype, l.max_local_len() + steps_ * new_tokens_,
+                  Placement::last_rank);
     cache.prefill(k, v, l);
     Tensor q;
     TimedCall call;
     call.warmup = 0, call.iters = steps_, call.unit = "steps";
     call.prepare = [&](int) {
       const int64_t pos0 = cache.length();
-      cache.append(tokens(in, kK, rt, pos0), tokens(in, kV, rt, pos0));
-      q = tokens(in, kQ, rt, pos0);
+      cache.append(make(in, kK, rt, nullptr, pos0), make(in, kV, rt, nullptr, pos0));
+      q = make(in, kQ, rt, nullptr, pos0);
     };
     call.call = [&] {
       res[i].push_back(i == 0 ? star_decode(rt, q, cache)
@@ -377,10 +359,9 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
 }
 
 void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
-  const report::ResultRow &star = rows[0].result, &ring = rows[1].result;
-  const report::ResultRow &star2 = rows[rows.size() - 2].result, &tree = rows.back().result;
-  const double measured = ring.time_ms / star.time_ms, model = gflop_max_[1] / gflop_max_[0];
-  const double latency = star2.time_ms / tree.time_ms;
+  const double star = rows[0].result.time_ms, ring = rows[1].result.time_ms;
+  const double star2 = rows[rows.size() - 2].result.time_ms, tree = rows.back().result.time_ms;
+  const double measured = ring / star, model = gflop_max_[1] / gflop_max_[0];
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
   b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",
@@ -392,12 +373,12 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
     report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
     report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
   }
-  b.note(cat("phase 1: star ", fixed(star.time_ms, 2), " ms, ring (zigzag) ",
-             fixed(ring.time_ms, 2), " ms, measured ", fixed(measured, 2), " faster, model ",
-             fixed(model, 2), " (target >= 4x at 4 ranks, S=32768, b=S/16, a=b)",
-             target ? (measured >= 4 ? ": met" : ": NOT met") : " (not the target configuration)"));
-  b.note(cat("phase 2: star_decode ", fixed(star2.time_ms, 3), " ms/step, tree ",
-             fixed(tree.time_ms, 3), " ms/step: star/tree ", fixed(latency, 2)));
+  b.note(cat("phase 1: star ", fixed(star, 2), " ms, ring (zigzag) ", fixed(ring, 2),
+             " ms, measured ", fixed(measured, 2), " faster, model ", fixed(model, 2),
+             " (target >= 4x at 4 ranks, S=32768, b=S/16, a=b)",
+             verdict(target, measured >= 4, " (not the target configuration)")));
+  b.note(cat("phase 2: star_decode ", fixed(star2, 3), " ms/step, tree ", fixed(tree, 3),
+             " ms/step: star/tree ", fixed(star2 / tree, 2)));
   std::vector<std::string> acc;
   for (const Row& r : rows)
     if (!r.in_json) acc.push_back(r.extra.str());
@@ -406,10 +387,11 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
   ja.add("seq", acc_seq_).add("block", acc_block_).add("anchor", acc_anchor_);
   ja.add("scaled", scaled()).add_raw("rows", report::json_array(acc));
   p2.add("context", seq_).add("final_length", seq_ + steps_ * new_tokens_);
-  p2.add("star_over_tree_latency", latency);
-  if (b.check()) p2.add_raw("star_vs_tree", vs_tree_.json());
-  if (b.check()) p2.add_raw("star_vs_float64", vs_ref_[0].json());
-  if (b.check()) p2.add_raw("tree_vs_float64", vs_ref_[1].json());
+  p2.add("star_over_tree_latency", star2 / tree);
+  if (b.check())
+    p2.add_raw("star_vs_tree", vs_tree_.json())
+        .add_raw("star_vs_float64", vs_ref_[0].json())
+        .add_raw("tree_vs_float64", vs_ref_[1].json());
   tg.add("ranks", 4).add("seq", int64_t(32768)).add("phase1_speedup", 4.0);
   tg.add("this_run_is_target", target);
   if (target) tg.add("met", measured >= 4);
@@ -436,12 +418,10 @@ void StarWorkload::plan(Plan& p) const {
              " steps ", steps_),
          cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
-             " TFLOP in all (model: exact visible pairs), per rank max ", fixed(max / 1e9, 3),
-             " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, ",
-             fixed(spread(P, mb).max, 3), " MB per tp slice"));
+             " TFLOP in all, per rank max ", fixed(max / 1e9, 3), " GFLOP, imbalance ",
+             fixed(imbalance, 3), ", max ", fixed(spread(P, mb).max, 3), " MB sent"));
   p.line(cat("phase 2: ", steps_, " steps of ", new_tokens_,
-             " token(s), both caches last_rank placement (the decoded tokens go to cp rank ", P - 1,
-             "); tree bytes for the flat tree (the plan assumes one node)"));
+             " token(s), last_rank placement; tree bytes for one node"));
   p.line("per rank (anchor: holds = it holds the context's first tokens and sends them):");
   // clang-format off
   p.table({{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}, {"tokens", "(local)", 9}, {"blocks", "", 7},

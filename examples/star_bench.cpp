@@ -25,28 +25,25 @@ using detail::cat;
 using report::fixed;
 using report::sci;
 
-// The accuracy part runs exact attention (ring) over the whole context: above this length it
-// runs at this length instead, with the block and the anchor scaled alike.
+// The accuracy part's exact attention (ring) runs over at most this many tokens (above: the
+// block and the anchor scaled alike).
 constexpr int64_t kAccuracyMaxSeq = 16384;
 constexpr int64_t kSinkTokens = 4;  // the context's first tokens, which carry the sink
-// Block 0's rows must equal exact attention up to fp32 rounding (they see all their keys).
+// Block 0's rows see all their keys: exact attention up to fp32 rounding.
 constexpr double kRank0RelTol = 1e-5, kRank0LseTol = 1e-4;
-// The float64 bound serves every dtype (the inputs are rounded to it before both sides, the
-// kernel computes in fp32); star_decode and tree decode differ only in the merge order.
+// vs float64 for every dtype (both sides read the rounded inputs); star vs tree: merge order.
 constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
 enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
 
-// bench_inputs.h's values plus the sink: `sink` times a fixed direction u (entries +-D^(-1/4),
-// |u|^2 = sqrt(D) = 1/scale) on the keys of the first kSinkTokens positions and on every query,
-// before the rounding to the dtype: a sink key's logit rises by about sink^2, so the first
-// tokens take most of every row's attention, as in trained models.
+// bench_inputs.h's values plus `sink` times a fixed direction u (entries +-D^(-1/4), |u|^2 =
+// 1/scale) on every query and the first kSinkTokens keys, before the rounding to the dtype: those
+// keys' logits rise by about sink^2 and take most of every row's attention, as in trained models.
 struct Inputs {
   Inputs(DType dtype, double sink, int64_t dim) : dtype(dtype), sink(float(sink)) {
     for (int64_t d = 0; d < dim; ++d)
       dir.push_back(float(std::pow(double(dim), -0.25)) *
                     ((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? 1.f : -1.f));
   }
-  // The `dim` stored values of one row.
   void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
     const uint64_t key = row_key(id, b, pos, h);
     const bool sunk = sink != 0.f && (id == kQ || (id == kK && pos < kSinkTokens));
@@ -119,7 +116,6 @@ class StarWorkload final : public Workload {
   }
 
   void resolve(const po::variables_map& vm, const EngineOptions& e) override {
-    e_ = e;
     require_option(seq_ >= 1, "--seq", seq_, ">= 1");
     shape_.resolve(e.launch.tp);
     require_option(new_tokens_ >= 1, "--new-tokens", new_tokens_, ">= 1");
@@ -198,7 +194,7 @@ class StarWorkload final : public Workload {
     return make_rows(in, id, shape_.batch, l ? l->local_len(int(r)) : new_tokens_, pos, heads,
                      rt.tp_rank() * heads, shape_.head_dim, shape_.dtype);
   }
-  // A row of phase 1 or 2: the common JSON keys (TFLOP/s per rank from `flops`) and t's bytes.
+  // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`) and t's bytes.
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
                 double time_ms, double flops, uint64_t wrong, const Timing& t) const {
     Row row;
@@ -217,7 +213,6 @@ class StarWorkload final : public Workload {
   Shape shape_;
   int steps_ = 5;
   double sink_ = 4.0;
-  EngineOptions e_;
   AttnSpec spec_;  // causal, one tp rank's heads
   int64_t acc_seq_ = 0, acc_block_ = 0, acc_anchor_ = 0;
   // For finish: phase 1's FLOP model max (star, ring) and phase 2's checks.

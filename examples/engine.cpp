@@ -804,6 +804,13 @@ std::string json_array(const std::vector<std::string>& items) {
   return out + (items.empty() ? "]" : "\n]");
 }
 
+std::string json_numbers(const std::vector<double>& values) {
+  std::vector<std::string> items;
+  for (double v : values)
+    items.push_back(json_number(v));
+  return json_array(items);
+}
+
 JsonObject& JsonObject::add_raw(const std::string& key, const std::string& json_text) {
   members_.emplace_back(key, json_text);
   return *this;

@@ -111,6 +111,7 @@ std::string run_desc(const Run& run);
 std::string json_string(const std::string& s);  // quoted and escaped
 std::string json_number(double v);              // shortest round-trip form; null if non-finite
 std::string json_array(const std::vector<std::string>& items);  // items are JSON text
+std::string json_numbers(const std::vector<double>& values);    // json_array of json_number
 
 // An object whose members keep their insertion order; values are JSON text.
 class JsonObject {

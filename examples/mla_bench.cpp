@@ -265,7 +265,7 @@ class Mla final : public Workload {
   std::vector<int64_t> channels_;  // the outlier channels
   std::vector<std::string> channel_names_;
   Result results_[std::size(kMethods)];
-  uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0, byte_mismatches_ = 0;  // totals
+  uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0;  // totals
   double f64_max_ = 0;
 };
 
@@ -364,13 +364,12 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     const Result& res = results_[i];
     const uint64_t cache = cache_bytes(m);
     Row& row = rows[i];
-    report::ResultRow& c = row.result;
-    c.workload = "mla", c.strategy = m.label, c.seq = S_, c.ranks = G_;
-    std::replace(c.strategy.begin(), c.strategy.end(), ' ', '-');  // "tpla-none-split-rope"
-    c.time_ms = res.t.step_mean_ms;
-    c.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong);
+    row.result = {"mla", m.label, "", S_, G_, res.t.step_mean_ms};
+    std::string& name = row.result.strategy;
+    std::replace(name.begin(), name.end(), ' ', '-');  // "tpla-none-split-rope"
+    row.result.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong);
     exact_wrong_ += res.exact_wrong, cache_wrong_ += res.cache_held != cache;
-    f64_wrong_ += res.f64_wrong, byte_mismatches_ += res.byte_mismatches;
+    f64_wrong_ += res.f64_wrong;
     row.take_bytes(res.t);
     row.byte_mismatches = res.byte_mismatches;
     const double sent_kb = res.t.sent_mb * 1e3, model_kb = res.t.model_mb * 1e3;
@@ -380,9 +379,6 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     for (const Accuracy& a : res.acc)
       row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
     row.cells.push_back(wrong_cell(row));
-    std::vector<std::string> steps;
-    for (double t : res.t.step_ms)
-      steps.push_back(report::json_number(t));
     report::JsonObject& x = row.extra;
     x.add("method", m.label).add("parallel", mla_parallel_name(m.parallel));
     x.add("transform", latent_transform_name(m.transform)).add("rope", m.rope());
@@ -392,7 +388,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     x.add("cache_ratio_vs_head_split", cache_ratio(m));
     x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
     x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
-    x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_array(steps));
+    x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_numbers(res.t.step_ms));
     for (int k = 0; k < int(std::size(kKinds)); ++k)
       x.add_raw(kKinds[k].key, res.acc[k].json());
     x.add("exact_wrong", int64_t(res.exact_wrong));
@@ -448,7 +444,6 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
              hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
   top.add_raw("cache_target", jcache.str()).add_raw("outlier_target", jout.str());
   top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
-  top.add("byte_mismatches", int64_t(byte_mismatches_));
   top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
   top.add("f64_wrong", int64_t(f64_wrong_));
 }

@@ -409,10 +409,11 @@ void StarWorkload::plan(Plan& p) const {
              " steps ", steps_),
          cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
-             " TFLOP in all, per rank max ", fixed(max / 1e9, 3), " GFLOP, imbalance ",
-             fixed(imbalance, 3), ", max ", fixed(spread(P, mb).max, 3), " MB sent"));
+             " TFLOP in all (exact visible pairs), per rank max ", fixed(max / 1e9, 3),
+             " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, max ",
+             fixed(spread(P, mb).max, 3), " MB per tp slice"));
   p.line(cat("phase 2: ", steps_, " steps of ", new_tokens_,
-             " token(s), last_rank placement; tree bytes for one node"));
+             " token(s), both caches last_rank placement; tree bytes for one node"));
   p.line("per rank (anchor: holds = it holds the context's first tokens and sends them):");
   // clang-format off
   p.table({{"rank", "", 6}, {"cp", "", 5}, {"tp", "", 4}, {"tokens", "(local)", 9}, {"blocks", "", 7},

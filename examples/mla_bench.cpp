@@ -451,10 +451,9 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
 // --dry-run: what each rank would hold and send, from the models and the library's slicing
 // (mla_shard_cache on a cache of no tokens gives a rank's latent and RoPE columns).
 void Mla::plan(Plan& p) const {
-  p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_,
-             ": head_split splits the heads (an allgather ",
-             "of them per step), tpla the latent (a sum-allreduce of the output); device ",
-             device_plan(p.opts().launch)));
+  p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_, ": head_split splits the heads (an ",
+             "allgather of them per step), tpla the latent (a sum-allreduce of the output); ",
+             "device ", device_plan(p.opts().launch)));
   for (const std::string& line : shape_lines())
     p.line(line);
   std::vector<report::Column> cols = kMethodColumns;

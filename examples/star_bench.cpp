@@ -128,10 +128,9 @@ class StarWorkload final : public Workload {
     // The accuracy part's problem: an anchor stays >= 1 token, and a = b stays a = b.
     acc_seq_ = std::min(seq_, kAccuracyMaxSeq);
     acc_block_ = scaled() ? std::max<int64_t>(1, block_ * acc_seq_ / seq_) : block_;
-    acc_anchor_ = !scaled() || anchor_ == 0 ? anchor_
-                  : anchor_ == block_
-                      ? acc_block_
-                      : std::clamp<int64_t>(anchor_ * acc_seq_ / seq_, 1, acc_block_);
+    acc_anchor_ = anchor_ == block_ ? acc_block_ : anchor_;
+    if (scaled() && anchor_ != 0 && anchor_ != block_)
+      acc_anchor_ = std::clamp<int64_t>(anchor_ * acc_seq_ / seq_, 1, acc_block_);
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
@@ -394,8 +393,7 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
 // phase-1 FLOPs and bytes and its bytes per phase-2 step (tree decode's beside star's); phase
 // 2's byte models read the cache's ranks, heads, batch and dtype: an empty cache serves.
 void StarWorkload::plan(Plan& p) const {
-  const LaunchOptions& o = p.opts().launch;
-  const int W = o.world, P = o.cp, T = o.tp;
+  const int W = p.opts().launch.world, P = p.opts().launch.cp, T = p.opts().launch.tp;
   const int64_t Hl = spec_.heads_q, Gl = spec_.heads_kv;
   const Layout l = Layout::blocks(seq_, P, block_);
   const KvCache cache(P, 0, spec_, shape_.batch, shape_.dtype, 0, Placement::last_rank);

@@ -566,8 +566,10 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
     wrong += r.wrong();
     byte_mismatches += r.byte_mismatches;
     byte_checked = byte_checked || r.byte_checked;
-    if (r.in_json && r.result.tflops_per_rank >= 0)
-      tflops += r.result.tflops_per_rank, ++tflops_rows;
+    if (r.in_json && r.result.tflops_per_rank >= 0) {
+      tflops += r.result.tflops_per_rank;
+      ++tflops_rows;
+    }
   }
   for (const Compared& c : compared)
     wrong += c.wrong;

@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/attention_backward_cpu.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/decode_cpu.h"
 #include "kernels/cpu/mla_cpu.h"
 #include "kernels/cuda/limits.h"
 #include "kernels/merge.h"
@@ -252,11 +253,17 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
     no_cuda(q.device());
 #endif
   }
+  // A few query rows against many keys: the decode kernel (one pass over the keys for all the
+  // query heads of a kv head); longer query blocks: the tile kernel.
   auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
+    const bool decode = cpu::decode_kernel_wins(qr.length, spec.heads_q / spec.heads_kv);
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
-      cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+      if (decode)
+        cpu::decode_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
+      else
+        cpu::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>());
     }
   }
 }

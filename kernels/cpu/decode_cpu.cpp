@@ -1,0 +1,375 @@
+// The CPU decode kernel (kernels/cpu/decode_cpu.h). Each split walks its keys in chunks of
+// kChunk: the scores of every row against the chunk's keys (each key row read once, widened in
+// registers, dotted with four query rows at a time), the online-softmax update of each row, then
+// O += P V with each value row read once. The loops are plain C++ vectorised by the compiler,
+// built three times (x86-64-v4: AVX-512; v3: AVX2, FMA, F16C; the baseline) and picked at load
+// time (GCC's target_clones).
+#include "kernels/cpu/decode_cpu.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <new>
+#include <vector>
+
+#include "kernels/cpu/vec_math.h"
+#include "kernels/merge.h"
+#include "src/base/error.h"
+
+namespace dattn::cpu {
+
+namespace {
+
+constexpr int64_t kChunk = 64;           // keys per softmax step
+constexpr int64_t kMinSplitKeys = 1024;  // keys a split gets at least (its merge is not free)
+
+#define DATTN_DECODE_INLINE __attribute__((always_inline)) inline
+
+// The storage types, widened to fp32 where they are loaded.
+struct Bf16Bits {
+  uint16_t bits;
+};
+DATTN_DECODE_INLINE float widen(float x) {
+  return x;
+}
+DATTN_DECODE_INLINE float widen(Bf16Bits x) {
+  return std::bit_cast<float>(uint32_t(x.bits) << 16);
+}
+DATTN_DECODE_INLINE float widen(_Float16 x) {
+  return float(x);
+}
+
+template <typename T>
+DATTN_DECODE_INLINE float dot1(const float* q, const T* k, int64_t d) {
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t c = 0; c < d; ++c)
+    a += q[c] * widen(k[c]);
+  return a;
+}
+
+// s[r * lds] (+)= q_r . k for the rows of q [rows, ldq]: four rows per pass over k, so that each
+// element of k is loaded and widened once per four rows.
+template <typename T>
+DATTN_DECODE_INLINE void score_rows(const float* q, int64_t ldq, int64_t rows, const T* k,
+                                    int64_t d, float* s, int64_t lds, bool add) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float *q0 = q + r * ldq, *q1 = q0 + ldq, *q2 = q1 + ldq, *q3 = q2 + ldq;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t c = 0; c < d; ++c) {
+      const float kc = widen(k[c]);
+      a0 += q0[c] * kc;
+      a1 += q1[c] * kc;
+      a2 += q2[c] * kc;
+      a3 += q3[c] * kc;
+    }
+    float* sr = s + r * lds;
+    if (add) {
+      sr[0] += a0, sr[lds] += a1, sr[2 * lds] += a2, sr[3 * lds] += a3;
+    } else {
+      sr[0] = a0, sr[lds] = a1, sr[2 * lds] = a2, sr[3 * lds] = a3;
+    }
+  }
+  for (; r < rows; ++r) {
+    const float a = dot1(q + r * ldq, k, d);
+    s[r * lds] = add ? s[r * lds] + a : a;
+  }
+}
+
+template <typename T>
+DATTN_DECODE_INLINE void widen_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c)
+    dst[c] = widen(src[c]);
+}
+
+DATTN_DECODE_INLINE void axpy(float* o, float p, const float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c)
+    o[c] += p * v[c];
+}
+
+// Per-thread buffers, sized for one job's shape before the parallel region.
+struct Workspace {
+  std::vector<float> s, m, l, vbuf;
+  std::vector<int64_t> kpos, kdoc, qdoc;
+  Workspace(int64_t rows_all, int64_t rows, int64_t dv)
+      : s(size_t(rows_all * kChunk)),
+        m(size_t(rows_all)),
+        l(size_t(rows_all)),
+        vbuf(size_t(dv)),
+        kpos(size_t(kChunk)),
+        kdoc(size_t(kChunk)),
+        qdoc(size_t(rows)) {}
+};
+
+// Whether x[0..n) holds a NaN.
+bool has_nan(const float* x, int64_t n) {
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i)
+    any |= std::isnan(x[i]);
+  return any;
+}
+
+// The normalised partial of job p over its keys [j_begin, j_end): o [heads_kv * rows, dv],
+// lse [heads_kv * rows]. The softmax update follows attention_forward's tile loop (the same rules
+// for rows that see nothing and for NaN).
+template <typename T>
+DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t j_end,
+                                   Workspace& ws, float* o, float* lse) {
+  const int64_t R = p.rows, HR = p.heads_kv * p.rows, dq = p.d1 + p.d2, dv = p.dv;
+  const T* k1 = static_cast<const T*>(p.k1);
+  const T* k2 = static_cast<const T*>(p.k2);
+  const T* v = static_cast<const T*>(p.v);
+  const Mask& mask = p.mask;
+  auto k_pos = [&](int64_t j) {
+    return p.k_pos0 + (j / p.k_pos_block) * p.k_pos_stride + j % p.k_pos_block;
+  };
+  std::fill(o, o + HR * dv, 0.f);
+  std::fill(ws.m.begin(), ws.m.end(), -INFINITY);
+  std::fill(ws.l.begin(), ws.l.end(), 0.f);
+  const auto [qlo_it, qhi_it] = std::minmax_element(p.q_pos, p.q_pos + R);
+  const int64_t qlo = *qlo_it, qhi = *qhi_it;
+  float* s = ws.s.data();
+
+  for (int64_t c0 = j_begin; c0 < j_end; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, j_end - c0);
+    const Mask::Cover cover = mask.cover(qlo, qhi, std::min(k_pos(c0), k_pos(c0 + n - 1)),
+                                         std::max(k_pos(c0), k_pos(c0 + n - 1)));
+    if (cover == Mask::Cover::none) continue;
+    const bool partial = cover == Mask::Cover::some;
+
+    // Scores s[h * R + r][jj] of every row against the chunk's keys, key rows in memory order.
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = c0 + jj;
+      for (int64_t h = 0; h < p.heads_kv; ++h) {
+        const float* qh = p.q + h * R * dq;
+        float* sh = s + h * R * kChunk + jj;
+        score_rows(qh, dq, R, k1 + j * p.k1_key + h * p.k1_head, p.d1, sh, kChunk, false);
+        if (p.d2 > 0)
+          score_rows(qh + p.d1, dq, R, k2 + j * p.k2_key + h * p.k2_head, p.d2, sh, kChunk, true);
+      }
+    }
+    if (partial) {  // hide what the mask hides, on global positions
+      for (int64_t jj = 0; jj < n; ++jj) {
+        ws.kpos[size_t(jj)] = k_pos(c0 + jj);
+        ws.kdoc[size_t(jj)] = mask.document_of(ws.kpos[size_t(jj)]);
+      }
+      for (int64_t r = 0; r < R; ++r)
+        ws.qdoc[size_t(r)] = mask.document_of(p.q_pos[r]);
+      for (int64_t t = 0; t < HR; ++t) {
+        const int64_t r = t % R, qp = p.q_pos[r], qd = ws.qdoc[size_t(r)];
+        float* srow = s + t * kChunk;
+        for (int64_t jj = 0; jj < n; ++jj)
+          if (!mask.in_band(qp, ws.kpos[size_t(jj)]) || ws.kdoc[size_t(jj)] != qd)
+            srow[jj] = -INFINITY;
+      }
+    }
+
+    // The online-softmax update of each row; P replaces the scores.
+    bool any_row = false;
+    for (int64_t t = 0; t < HR; ++t) {
+      float* srow = s + t * kChunk;
+      float& m = ws.m[size_t(t)];
+      float& l = ws.l[size_t(t)];
+      const float m_new = std::max(m, row_max(srow, n));
+      if (m_new == -INFINITY) {  // sees nothing yet; NaN scores make the row NaN (as the tiles do)
+        if (has_nan(srow, n)) m = l = NAN;
+        std::fill(srow, srow + n, 0.f);
+        continue;
+      }
+      any_row = true;
+      const float row_sum = exp_shift_sum(srow, n, m_new);
+      if (m_new != m) {
+        const float alpha = m == -INFINITY ? 0.f : std::exp(m - m_new);
+        l *= alpha;
+        scale_row(o + t * dv, dv, alpha);
+        m = m_new;
+      }
+      l += row_sum;
+    }
+    if (!any_row) continue;
+
+    // O += P V, each value row read once. In a partially hidden chunk a zero weight adds nothing:
+    // skipping it keeps a NaN or inf in a hidden value row out of the rows that do not see it.
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = c0 + jj;
+      for (int64_t h = 0; h < p.heads_kv; ++h) {
+        const T* vrow = v + j * p.v_key + h * p.v_head;
+        const float* vf;
+        if constexpr (std::is_same_v<T, float>) {
+          vf = vrow;
+        } else {
+          widen_row(vrow, ws.vbuf.data(), dv);
+          vf = ws.vbuf.data();
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const float pr = s[(h * R + r) * kChunk + jj];
+          if (partial && pr == 0.f) continue;
+          axpy(o + (h * R + r) * dv, pr, vf, dv);
+        }
+      }
+    }
+  }
+
+  for (int64_t t = 0; t < HR; ++t) {
+    const float l = ws.l[size_t(t)];
+    float* orow = o + t * dv;
+    if (l == 0.f) {  // saw no key: the empty partial
+      std::fill(orow, orow + dv, 0.f);
+      lse[t] = -INFINITY;
+      continue;
+    }
+    scale_row(orow, dv, 1.f / l);
+    lse[t] = ws.m[size_t(t)] + std::log(l);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DATTN_DECODE_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DATTN_DECODE_CLONES
+#endif
+
+DATTN_DECODE_CLONES void run_split_any(const DecodeJob& p, int64_t j_begin, int64_t j_end,
+                                       Workspace& ws, float* o, float* lse) {
+  switch (p.dtype) {
+    case DType::f32:
+      return run_split<float>(p, j_begin, j_end, ws, o, lse);
+    case DType::bf16:
+      return run_split<Bf16Bits>(p, j_begin, j_end, ws, o, lse);
+    case DType::f16:
+      return run_split<_Float16>(p, j_begin, j_end, ws, o, lse);
+  }
+}
+
+// A float buffer of n elements; running out of memory is a dattn::Error (not std::bad_alloc).
+std::vector<float> buffer(size_t n, const char* what) {
+  try {
+    return std::vector<float>(n);
+  } catch (const std::bad_alloc&) {
+    DATTN_THROW_KIND(ErrorKind::out_of_memory, "out of host memory allocating the decode ", what,
+                     " (", n, " floats)");
+  }
+}
+
+}  // namespace
+
+bool decode_kernel_wins(int64_t q_len, int64_t group) {
+  return q_len <= 16 && q_len * group <= 64;
+}
+
+int64_t decode_splits(int64_t jobs, int64_t n_keys) {
+  const int64_t threads = omp_get_max_threads();
+  if (threads <= 1 || jobs <= 0) return 1;
+  const int64_t wanted = (4 * threads + jobs - 1) / jobs;  // a few units per thread
+  return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, n_keys / kMinSplitKeys));
+}
+
+void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse) {
+  if (n_jobs <= 0) return;
+  const DecodeJob& p0 = jobs[0];
+  const int64_t HR = p0.heads_kv * p0.rows, dv = p0.dv, n_keys = p0.n_keys;
+  // Splits of whole chunks; trailing ones may be empty (their partial is the empty one).
+  const int64_t per = ((n_keys + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
+  std::vector<Workspace> workspaces;
+  try {
+    workspaces.reserve(size_t(omp_get_max_threads()));
+    for (int t = 0; t < omp_get_max_threads(); ++t)
+      workspaces.emplace_back(HR, p0.rows, dv);
+  } catch (const std::bad_alloc&) {
+    DATTN_THROW_KIND(ErrorKind::out_of_memory,
+                     "out of host memory allocating the decode workspace");
+  }
+#pragma omp parallel
+  {
+    Workspace& ws = workspaces[size_t(omp_get_thread_num())];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_jobs * splits; ++u) {
+      const int64_t j0 = std::min(n_keys, (u % splits) * per), j1 = std::min(n_keys, j0 + per);
+      run_split_any(jobs[u / splits], j0, j1, ws, o + u * HR * dv, lse + u * HR);
+    }
+  }
+}
+
+const char* decode_kernel_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
+  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
+#endif
+  return "default";
+}
+
+void decode_forward(const AttentionBlock& blk, float* out, float* lse) {
+  const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
+  const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
+  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
+  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
+  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
+  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
+  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
+  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
+  if (B == 0 || q_len <= 0 || k_len <= 0) return;
+  auto q_pos = [&](int64_t i) {
+    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
+  };
+  auto k_pos = [&](int64_t j) {
+    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
+  };
+  if (blk.mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)
+    return;
+
+  // Row r = i * group + g of kv head h is query row i of head h * group + g.
+  const int64_t group = Hq / Hkv, R = q_len * group, HR = Hkv * R;
+  std::vector<int64_t> qpos(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r)
+    qpos[size_t(r)] = q_pos(r / group);
+  // The queries as fp32 [B, Hkv, R, D], times the scale.
+  std::vector<float> q = buffer(size_t(B * HR * D), "queries");
+  const size_t es = dtype_size(blk.dtype);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t h = 0; h < Hq; ++h) {
+        float* dst = q.data() + ((b * Hkv + h / group) * R + i * group + h % group) * D;
+        const char* src = static_cast<const char*>(blk.q) +
+                          size_t(((b * blk.seq_q + blk.q_begin + i) * Hq + h) * D) * es;
+        convert_to_f32(src, blk.dtype, dst, size_t(D));
+        scale_row(dst, D, blk.scale);
+      }
+
+  std::vector<DecodeJob> jobs(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    DecodeJob& j = jobs[size_t(b)];
+    j.q = q.data() + b * HR * D;
+    j.q_pos = qpos.data();
+    j.heads_kv = Hkv, j.rows = R, j.d1 = D, j.dv = Dv, j.n_keys = k_len;
+    j.dtype = blk.dtype;
+    const size_t row0 = size_t((b * blk.seq_k + blk.k_begin) * Hkv);
+    j.k1 = static_cast<const char*>(blk.k) + row0 * size_t(D) * es;
+    j.v = static_cast<const char*>(blk.v) + row0 * size_t(Dv) * es;
+    j.k1_key = Hkv * D, j.k1_head = D, j.v_key = Hkv * Dv, j.v_head = Dv;
+    j.k_pos0 = blk.k_pos0, j.k_pos_stride = blk.k_pos_stride, j.k_pos_block = blk.k_pos_block;
+    j.mask = blk.mask;
+  }
+  const int64_t splits = decode_splits(B, k_len);
+  std::vector<float> o = buffer(size_t(B * splits * HR * Dv), "partials");
+  std::vector<float> l = buffer(size_t(B * splits * HR), "partials");
+  decode_partials(jobs.data(), B, splits, o.data(), l.data());
+
+  // Merge the splits, in split order, into the running partial.
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t sp = 0; sp < splits; ++sp)
+      for (int64_t t = 0; t < HR; ++t) {
+        const int64_t r = t % R, head = (t / R) * group + r % group;
+        const int64_t row = blk.q_begin + r / group, u = (b * splits + sp) * HR + t;
+        merge_row(out + ((b * blk.seq_q + row) * Hq + head) * Dv,
+                  lse + (b * Hq + head) * blk.seq_q + row, o.data() + u * Dv, l[size_t(u)], Dv);
+      }
+}
+
+}  // namespace dattn::cpu

@@ -1,0 +1,57 @@
+// The CPU decode kernel: attention of a few query rows against a long key range, bound by the
+// memory it streams. Each key row is read once for every query row that uses it (all the query
+// heads of its GQA group, all the block's rows), bf16/fp16 rows are widened in registers, and the
+// key range is split across the threads (split-KV), each split a partial merged in a fixed order.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cpu/attention_cpu.h"
+#include "src/base/dtype.h"
+#include "src/base/spec.h"
+
+namespace dattn::cpu {
+
+// Query rows up to which decode_forward beats attention_forward's tile GEMMs: a block of q_len
+// rows with `group` query heads per kv head. Measured (dattn-kernel-bench decode rows, one and
+// two threads, D = 128): the decode kernel streams the cache once per kv head, the tile kernel
+// once per query head, and its GEMMs are no faster while the rows are few.
+bool decode_kernel_wins(int64_t q_len, int64_t group);
+
+// attention_forward's contract (kernels/cpu/attention_cpu.h) for any block: attends blk's query
+// rows to its key rows and merges the result into the running partial out/lse; rows that see no
+// key are unchanged; a NaN or inf that the mask hides from a row never reaches it. Bit-identical
+// from run to run at a fixed OpenMP thread count. Workspace O(rows x splits), never S_q x S_k.
+void decode_forward(const AttentionBlock& blk, float* out, float* lse);
+
+// The generic decode over one batch entry, which decode_forward and the MLA decode share: rows
+// query rows per kv head against keys [0, n_keys), for heads_kv kv heads. A key's score for a row
+// is q1 . k1 + q2 . k2 (k2 may be absent: d2 = 0; MLA's RoPE part), its value v.
+//   q [heads_kv, rows, d1 + d2] fp32, already multiplied by the softmax scale
+//   k1, k2, v in `dtype`; element (key j, kv head h) of each at base + j * key_stride + h *
+//   head_stride (elements)
+// Row r sits at global position q_pos[r]; key j at k_pos0 + (j / k_pos_block) * k_pos_stride +
+// j % k_pos_block; `mask` decides on those positions.
+struct DecodeJob {
+  const float* q = nullptr;
+  const int64_t* q_pos = nullptr;
+  int64_t heads_kv = 1, rows = 0, d1 = 0, d2 = 0, dv = 0, n_keys = 0;
+  DType dtype = DType::f32;
+  const void *k1 = nullptr, *k2 = nullptr, *v = nullptr;
+  int64_t k1_key = 0, k1_head = 0, k2_key = 0, k2_head = 0, v_key = 0, v_head = 0;
+  int64_t k_pos0 = 0, k_pos_stride = 1, k_pos_block = 1;
+  Mask mask;
+};
+
+// The partials of `jobs` (one per batch entry, all of one shape) over `splits` key splits:
+// o [jobs, splits, heads_kv * rows, dv] and lse [jobs, splits, heads_kv * rows], each normalised
+// (an empty one: o = 0, lse = -inf). Merged in split order they give the attention over all keys.
+// Parallel (OpenMP) over jobs x splits. decode_splits() is the split count used at this thread
+// count.
+int64_t decode_splits(int64_t jobs, int64_t n_keys);
+void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse);
+
+// The instruction set decode_partials runs on this CPU ("x86-64-v4", "x86-64-v3" or "default").
+const char* decode_kernel_isa();
+
+}  // namespace dattn::cpu

@@ -1,0 +1,326 @@
+// Single-process tests of the CPU decode kernel (dattn::cpu::decode_forward) against the float64
+// reference, out and lse: few query rows (1, 2, 7, 16) against contexts that are multiples of no
+// chunk or split (1, 31, 1000, 65537), GQA 1, 4, 8, D 64 to 256 and D != Dv, fp32/bf16/fp16 caches,
+// masks and documents on global positions (strided too), merging into a running partial, empty
+// key ranges, hidden NaN, and bit-identical repeats; the MLA form (two key parts, V = the first).
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/decode_cpu.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/merge.h"
+#include "src/base/error.h"
+#include "tests/test_reference.h"
+
+namespace dattn {
+namespace {
+
+using test::matches_reference;
+using test::naive_reference;
+using test::random_tensor;
+using test::tolerance_for;
+
+struct DecodeCase {
+  int64_t Sq = 1, ctx = 1, Hq = 1, Hkv = 1, D = 64, Dv = 64;
+  DType dtype = DType::f32;
+  Mask mask = Mask::causal();
+  int64_t k_pos0 = 0, k_stride = 1, k_block = 1;  // key positions
+  std::string str() const {
+    return detail::cat("Sq ", Sq, " ctx ", ctx, " Hq ", Hq, " Hkv ", Hkv, " D ", D, " Dv ", Dv, " ",
+                       dtype_name(dtype), " ", mask.str(), " keys at ", k_pos0, "+", k_stride, "/",
+                       k_block);
+  }
+};
+
+struct Problem {
+  Tensor q, k, v;
+  AttnSpec spec;
+  std::vector<int64_t> q_pos, k_pos;
+};
+
+// Queries sit at the positions of the last Sq keys (a decode step's own tokens, causal among
+// themselves), so chunks at the end are partially masked.
+Problem make_problem(const DecodeCase& c, uint64_t seed) {
+  Problem p;
+  p.spec.heads_q = c.Hq;
+  p.spec.heads_kv = c.Hkv;
+  p.spec.head_dim = c.D;
+  p.spec.head_dim_v = c.Dv;
+  p.spec.mask = c.mask;
+  p.q = random_tensor({1, c.Sq, c.Hq, c.D}, c.dtype, seed * 3, 2.f);
+  p.k = random_tensor({1, c.ctx, c.Hkv, c.D}, c.dtype, seed * 3 + 1);
+  p.v = random_tensor({1, c.ctx, c.Hkv, c.Dv}, c.dtype, seed * 3 + 2);
+  for (int64_t j = 0; j < c.ctx; ++j)
+    p.k_pos.push_back(c.k_pos0 + (j / c.k_block) * c.k_stride + j % c.k_block);
+  const int64_t last = p.k_pos.back();
+  for (int64_t i = 0; i < c.Sq; ++i)
+    p.q_pos.push_back(last - (c.Sq - 1) + i);
+  return p;
+}
+
+cpu::AttentionBlock make_block(const Problem& p, const DecodeCase& c) {
+  cpu::AttentionBlock blk;
+  blk.q = p.q.data();
+  blk.k = p.k.data();
+  blk.v = p.v.data();
+  blk.dtype = c.dtype;
+  blk.batch = 1;
+  blk.seq_q = c.Sq;
+  blk.seq_k = c.ctx;
+  blk.heads_q = c.Hq;
+  blk.heads_kv = c.Hkv;
+  blk.head_dim = c.D;
+  blk.head_dim_v = c.Dv;
+  blk.scale = p.spec.scale();
+  blk.mask = c.mask;
+  blk.q_pos0 = p.q_pos[0];
+  blk.k_pos0 = c.k_pos0;
+  blk.k_pos_stride = c.k_stride;
+  blk.k_pos_block = c.k_block;
+  return blk;
+}
+
+struct PartialBuf {
+  std::vector<float> out, lse;
+  PartialBuf(int64_t S, int64_t H, int64_t Dv) : out(size_t(S * H * Dv)), lse(size_t(H * S)) {
+    clear_partial(out.data(), lse.data(), 1, S, H, Dv);
+  }
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+testing::AssertionResult decode_matches(const DecodeCase& c, uint64_t seed) {
+  Problem p = make_problem(c, seed);
+  PartialBuf part(c.Sq, c.Hq, c.Dv);
+  cpu::decode_forward(make_block(p, c), part.out.data(), part.lse.data());
+  auto ref = naive_reference(p.q, p.k, p.v, p.spec, p.q_pos, p.k_pos);
+  return matches_reference(part.out.data(), part.lse.data(), 1, c.Sq, c.Hq, c.Dv, ref,
+                           tolerance_for(c.dtype));
+}
+
+// Shapes from the lists, combined so that every value of each list meets several of the
+// others; the reference's cost (Sq x ctx x Hq x D) is kept small for the longest context.
+TEST(DecodeKernel, MatchesFloat64Reference) {
+  const int64_t sqs[] = {1, 2, 7, 16};
+  const int64_t groups[] = {1, 4, 8};
+  const int64_t dims[][2] = {{64, 64}, {128, 128}, {256, 256}, {192, 128}, {64, 32}};
+  const int64_t ctxs[] = {1, 31, 1000, 65537};
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  int cases = 0;
+  for (int i = 0; i < 60; ++i) {
+    DecodeCase c;
+    c.Sq = sqs[i % 4];
+    const int64_t group = groups[(i / 4) % 3];
+    c.Hkv = group == 8 ? 1 : 2;
+    c.Hq = group * c.Hkv;
+    c.D = dims[(i / 3) % 5][0];
+    c.Dv = dims[(i / 3) % 5][1];
+    c.ctx = ctxs[(i / 2) % 4];
+    c.dtype = dtypes[i % 3];
+    if (c.ctx == 65537)
+      c.Sq = 1, c.D = std::min<int64_t>(c.D, 64), c.Dv = std::min<int64_t>(c.Dv, 64);
+    if (c.ctx < c.Sq) c.ctx = c.Sq;
+    switch ((i / 5) % 4) {
+      case 0:
+        c.mask = Mask::causal();
+        break;
+      case 1:
+        c.mask = Mask::window(std::max<int64_t>(1, c.ctx / 3));
+        break;
+      case 2:
+        c.mask = c.ctx >= 31 ? Mask::document({0, c.ctx / 3, c.ctx - 5, c.ctx + 100}, true)
+                             : Mask::causal();
+        break;
+      case 3:
+        c.mask = Mask::none();
+        break;
+    }
+    SCOPED_TRACE(c.str());
+    EXPECT_TRUE(decode_matches(c, uint64_t(i) + 1));
+    ++cases;
+  }
+  EXPECT_EQ(cases, 60);
+}
+
+// Keys at strided and blocked global positions (the striped and zigzag layouts' shards).
+TEST(DecodeKernel, StridedKeyPositions) {
+  struct S {
+    int64_t pos0, stride, block;
+  };
+  for (S s : {S{0, 3, 1}, S{5, 8, 2}, S{100, 64, 16}}) {
+    for (Mask m : {Mask::causal(), Mask::window(200), Mask::document({0, 900, 2000, 9000}, true)}) {
+      DecodeCase c{7, 1500, 8, 2, 64, 64, DType::bf16, m, s.pos0, s.stride, s.block};
+      SCOPED_TRACE(c.str());
+      EXPECT_TRUE(decode_matches(c, 11));
+    }
+  }
+}
+
+// Two calls on the two halves of the keys merge into what one call over all of them gives (the
+// reference), and rows outside the block stay as they were.
+TEST(DecodeKernel, MergesIntoARunningPartial) {
+  DecodeCase c{2, 3000, 8, 2, 128, 128, DType::f32, Mask::causal()};
+  Problem p = make_problem(c, 5);
+  PartialBuf part(c.Sq, c.Hq, c.Dv);
+  cpu::AttentionBlock blk = make_block(p, c);
+  blk.k_len = 1234;
+  cpu::decode_forward(blk, part.out.data(), part.lse.data());
+  blk.k_begin = 1234;
+  blk.k_len = -1;
+  blk.k_pos0 = 1234;
+  cpu::decode_forward(blk, part.out.data(), part.lse.data());
+  auto ref = naive_reference(p.q, p.k, p.v, p.spec, p.q_pos, p.k_pos);
+  EXPECT_TRUE(matches_reference(part.out.data(), part.lse.data(), 1, c.Sq, c.Hq, c.Dv, ref,
+                                tolerance_for(c.dtype)));
+
+  // Query row 1 only: row 0 keeps its empty partial.
+  PartialBuf one(c.Sq, c.Hq, c.Dv);
+  blk = make_block(p, c);
+  blk.q_begin = 1;
+  blk.q_len = 1;
+  blk.q_pos0 = p.q_pos[1];
+  cpu::decode_forward(blk, one.out.data(), one.lse.data());
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    EXPECT_EQ(one.lse[size_t(h * c.Sq)], -INFINITY);
+    EXPECT_NEAR(one.lse[size_t(h * c.Sq + 1)], ref.lse[size_t(h * c.Sq + 1)], 1e-4);
+  }
+}
+
+// No keys, or keys the mask hides entirely: the partial is unchanged, bit for bit.
+TEST(DecodeKernel, EmptyKeyRangesLeaveThePartialUnchanged) {
+  DecodeCase c{3, 700, 4, 1, 64, 64, DType::bf16, Mask::causal()};
+  Problem p = make_problem(c, 9);
+  PartialBuf part(c.Sq, c.Hq, c.Dv);
+  cpu::AttentionBlock blk = make_block(p, c);
+  cpu::decode_forward(blk, part.out.data(), part.lse.data());
+  const std::vector<float> out0 = part.out, lse0 = part.lse;
+  blk.k_len = 0;
+  cpu::decode_forward(blk, part.out.data(), part.lse.data());
+  blk.k_len = -1;
+  blk.k_pos0 = p.q_pos.back() + 1;  // every key in the future
+  cpu::decode_forward(blk, part.out.data(), part.lse.data());
+  EXPECT_TRUE(same_bits(part.out, out0));
+  EXPECT_TRUE(same_bits(part.lse, lse0));
+
+  // A query that sees no key of a block whose other queries do: out 0, lse -inf.
+  blk = make_block(p, c);
+  blk.k_pos0 = p.q_pos[1];  // query row 0 sits before every key
+  PartialBuf fresh(c.Sq, c.Hq, c.Dv);
+  cpu::decode_forward(blk, fresh.out.data(), fresh.lse.data());
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    EXPECT_EQ(fresh.lse[size_t(h * c.Sq)], -INFINITY);
+    EXPECT_TRUE(std::isfinite(fresh.lse[size_t(h * c.Sq + 1)]));
+    for (int64_t d = 0; d < c.Dv; ++d)
+      EXPECT_EQ(fresh.out[size_t(h * c.Dv + d)], 0.f);
+  }
+}
+
+// NaN and inf in K/V rows that no query sees (future tokens in the chunk of the last visible
+// ones; another document) change nothing, bit for bit; a NaN a query does see reaches it.
+TEST(DecodeKernel, HiddenNonFiniteRowsNeverReachTheOutput) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (Mask m : {Mask::causal(), Mask::document({0, 40, 2000}, true)}) {
+      DecodeCase c{2, 100, 4, 2, 64, 48, dt, m};
+      Problem p = make_problem(c, 13);
+      // Queries at 60, 61: keys 62.. are in their future; with documents, keys 0..39 are in
+      // another document.
+      p.q_pos = {60, 61};
+      cpu::AttentionBlock blk = make_block(p, c);
+      blk.q_pos0 = 60;
+      PartialBuf clean(c.Sq, c.Hq, c.Dv);
+      cpu::decode_forward(blk, clean.out.data(), clean.lse.data());
+      const bool docs = bool(m.documents);
+      const size_t es = dtype_size(dt);
+      auto poison = [&](Tensor& t, int64_t row, int64_t dim, float value) {
+        std::vector<float> vals(size_t(c.Hkv * dim), value);
+        convert_from_f32(vals.data(), static_cast<char*>(t.data()) + size_t(row * c.Hkv * dim) * es,
+                         dt, vals.size());
+      };
+      for (int64_t j : {62, 63, 80, 99})
+        poison(p.v, j, c.Dv, NAN), poison(p.k, j, c.D, INFINITY);
+      if (docs)
+        for (int64_t j : {0, 7, 39})
+          poison(p.v, j, c.Dv, INFINITY), poison(p.k, j, c.D, NAN);
+      PartialBuf dirty(c.Sq, c.Hq, c.Dv);
+      cpu::decode_forward(blk, dirty.out.data(), dirty.lse.data());
+      SCOPED_TRACE(c.str());
+      EXPECT_TRUE(same_bits(dirty.out, clean.out));
+      EXPECT_TRUE(same_bits(dirty.lse, clean.lse));
+      // Key 61 is seen by query 61 only.
+      poison(p.v, 61, c.Dv, NAN);
+      PartialBuf seen(c.Sq, c.Hq, c.Dv);
+      cpu::decode_forward(blk, seen.out.data(), seen.lse.data());
+      for (int64_t h = 0; h < c.Hq; ++h) {
+        EXPECT_TRUE(std::isnan(seen.out[size_t((1 * c.Hq + h) * c.Dv)]));
+        EXPECT_EQ(seen.out[size_t((0 * c.Hq + h) * c.Dv)], clean.out[size_t(h * c.Dv)]);
+      }
+    }
+  }
+}
+
+// Split-KV: the same bits from run to run at a fixed thread count, with several splits.
+TEST(DecodeKernel, BitIdenticalFromRunToRun) {
+  omp_set_num_threads(2);
+  DecodeCase c{1, 20000, 8, 2, 128, 128, DType::bf16, Mask::causal()};
+  ASSERT_GT(cpu::decode_splits(1, c.ctx), 1);
+  Problem p = make_problem(c, 17);
+  PartialBuf a(c.Sq, c.Hq, c.Dv), b(c.Sq, c.Hq, c.Dv);
+  cpu::decode_forward(make_block(p, c), a.out.data(), a.lse.data());
+  cpu::decode_forward(make_block(p, c), b.out.data(), b.lse.data());
+  EXPECT_TRUE(same_bits(a.out, b.out));
+  EXPECT_TRUE(same_bits(a.lse, b.lse));
+  EXPECT_TRUE(decode_matches(c, 17));
+}
+
+// The two-part form MLA runs: score = q1 . k1 + q2 . k2, values v = k1 (shared latent cache),
+// against an attention whose keys are [k1 | k2] and values k1.
+TEST(DecodeKernel, TwoKeyPartsAsOneKey) {
+  const int64_t rows = 5, n = 777, d1 = 96, d2 = 16;
+  Tensor lat = random_tensor({1, n, 1, d1}, DType::f32, 21);
+  Tensor rope = random_tensor({1, n, 1, d2}, DType::f32, 22);
+  Tensor q = random_tensor({1, 1, rows, d1 + d2}, DType::f32, 23);
+  Tensor k = Tensor::empty({1, n, 1, d1 + d2}, DType::f32);
+  for (int64_t j = 0; j < n; ++j) {
+    std::memcpy(k.ptr<float>() + j * (d1 + d2), lat.ptr<float>() + j * d1, d1 * sizeof(float));
+    std::memcpy(k.ptr<float>() + j * (d1 + d2) + d1, rope.ptr<float>() + j * d2,
+                d2 * sizeof(float));
+  }
+  AttnSpec spec;
+  spec.heads_q = rows;
+  spec.heads_kv = 1;
+  spec.head_dim = d1 + d2;
+  spec.head_dim_v = d1;
+  spec.softmax_scale = 1.f;
+  spec.mask = Mask::causal();
+  std::vector<int64_t> qp = {600}, kp = test::positions(0, n);
+  auto ref = naive_reference(q, k, lat, spec, qp, kp);
+
+  std::vector<int64_t> row_pos(size_t(rows), 600);
+  cpu::DecodeJob job;
+  job.q = q.ptr<float>();
+  job.q_pos = row_pos.data();
+  job.rows = rows, job.d1 = d1, job.d2 = d2, job.dv = d1, job.n_keys = n;
+  job.k1 = lat.data(), job.k2 = rope.data(), job.v = lat.data();
+  job.k1_key = d1, job.k2_key = d2, job.v_key = d1;
+  job.mask = Mask::causal();
+  const int64_t splits = 3;
+  std::vector<float> o(size_t(splits * rows * d1)), l(size_t(splits * rows));
+  cpu::decode_partials(&job, 1, splits, o.data(), l.data());
+  PartialBuf part(1, rows, d1);
+  for (int64_t s = 0; s < splits; ++s)
+    for (int64_t r = 0; r < rows; ++r)
+      merge_row(part.out.data() + r * d1, part.lse.data() + r, o.data() + (s * rows + r) * d1,
+                l[size_t(s * rows + r)], d1);
+  EXPECT_TRUE(matches_reference(part.out.data(), part.lse.data(), 1, 1, rows, d1, ref,
+                                tolerance_for(DType::f32)));
+}
+
+}  // namespace
+}  // namespace dattn

@@ -11,6 +11,7 @@ set -euo pipefail
 # that the program's own options (dattn-prefill-bench has its own -n) are not taken for mpiexec's.
 ranks=0
 hosts_named=0
+placed=0
 in_program=0
 args=("$@")
 i=0
@@ -29,6 +30,11 @@ while ((i < ${#args[@]})); do
       hosts_named=1; i=$((i + 2)); continue ;;
     --host=*|--hostfile=*|--machinefile=*|--default-hostfile=*)
       hosts_named=1 ;;
+    # Placement named by the caller: left to them.
+    --map-by|-map-by|--bind-to|-bind-to|--cpu-set|--cpu-list|--rankfile|-rf)
+      placed=1; i=$((i + 2)); continue ;;
+    --map-by=*|--bind-to=*|--cpu-set=*|--cpu-list=*|--rankfile=*)
+      placed=1 ;;
     # Options that take one value (so the value is not taken for the program's name).
     -x|--map-by|-map-by|--bind-to|-bind-to|--rank-by|-rank-by|-wdir|--wdir|-wd|--wd|--prefix| \
     --output-filename|-output-filename|--npernode|-npernode|--npersocket|-npersocket|-N| \
@@ -73,6 +79,14 @@ if ((single_node && ranks > cores)); then
   export OMPI_MCA_rmaps_base_oversubscribe=${OMPI_MCA_rmaps_base_oversubscribe:-1}
 fi
 
+# Open MPI binds each of up to two ranks to one core by default, so a rank's OpenMP threads
+# (-T 2, OMP_NUM_THREADS) would all share that core. On one node with fewer ranks than cores,
+# give each rank an equal share of the cores instead (--map-by slot:PE=N binds it to N cores).
+placement=()
+if ((single_node && !placed && ranks > 0 && ranks < cores)); then
+  placement=(--map-by "slot:PE=$((cores / ranks))")
+fi
+
 # On one node, use shared memory only: the ob1 point-to-point layer over the self (a rank to
 # itself) and vader (shared memory) transports. This keeps Open MPI from probing UCX, InfiniBand
 # or TCP, which warns or fails on machines and containers without those networks (e.g. "unable to
@@ -91,4 +105,4 @@ env_file=${DATTN_BUILD_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/bui
 # shellcheck source=/dev/null
 [[ -f $env_file ]] && source "$env_file"
 
-exec mpiexec "$@"
+exec mpiexec "${placement[@]}" "$@"

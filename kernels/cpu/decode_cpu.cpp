@@ -6,12 +6,14 @@
 // time (GCC's target_clones).
 #include "kernels/cpu/decode_cpu.h"
 
+#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/vec_math.h"
@@ -24,6 +26,10 @@ namespace {
 
 constexpr int64_t kChunk = 64;           // keys per softmax step
 constexpr int64_t kMinSplitKeys = 1024;  // keys a split gets at least (its merge is not free)
+// fp32 rows from which the chunk's scores and O += P V run as sgemm: with many rows (MLA's heads
+// share one latent cache) the vector loops are bound by FLOPs, not by the memory they read.
+constexpr int64_t kGemmRows = 16;
+constexpr int64_t kGemmChunk = 512;  // keys per step there: the GEMMs pack the queries once a step
 
 #define DATTN_DECODE_INLINE __attribute__((always_inline)) inline
 
@@ -93,17 +99,31 @@ DATTN_DECODE_INLINE void axpy(float* o, float p, const float* v, int64_t n) {
     o[c] += p * v[c];
 }
 
+// s [rows, n] (+)= q [rows, d] k^T for the n keys of k (rows ldk apart), and
+// o [rows, dv] += p [rows, n] v for n value rows (ldv apart): sgemm, single-threaded here.
+// k and v are fp32 (void: the callers are templates over the storage type; only fp32 gets here).
+void gemm_abt(const float* q, int64_t ldq, int64_t rows, const void* k, int64_t ldk, int64_t n,
+              int64_t d, float* s, int64_t lds, float beta) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(n), int(d), 1.f, q, int(ldq),
+              static_cast<const float*>(k), int(ldk), beta, s, int(lds));
+}
+void gemm_ab(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v, int64_t ldv,
+             int64_t dv, float* o) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(dv), int(n), 1.f, p,
+              int(ldp), static_cast<const float*>(v), int(ldv), 1.f, o, int(dv));
+}
+
 // Per-thread buffers, sized for one job's shape before the parallel region.
 struct Workspace {
   std::vector<float> s, m, l, vbuf;
   std::vector<int64_t> kpos, kdoc, qdoc;
   Workspace(int64_t rows_all, int64_t rows, int64_t dv)
-      : s(size_t(rows_all * kChunk)),
+      : s(size_t(rows_all * kGemmChunk)),
         m(size_t(rows_all)),
         l(size_t(rows_all)),
         vbuf(size_t(dv)),
-        kpos(size_t(kChunk)),
-        kdoc(size_t(kChunk)),
+        kpos(size_t(kGemmChunk)),
+        kdoc(size_t(kGemmChunk)),
         qdoc(size_t(rows)) {}
 };
 
@@ -135,23 +155,37 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
   const auto [qlo_it, qhi_it] = std::minmax_element(p.q_pos, p.q_pos + R);
   const int64_t qlo = *qlo_it, qhi = *qhi_it;
   float* s = ws.s.data();
+  bool gemm = false;
+  if constexpr (std::is_same_v<T, float>) gemm = R >= kGemmRows;
+  const int64_t chunk = gemm ? kGemmChunk : kChunk, lds = chunk;
 
-  for (int64_t c0 = j_begin; c0 < j_end; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, j_end - c0);
+  for (int64_t c0 = j_begin; c0 < j_end; c0 += chunk) {
+    const int64_t n = std::min(chunk, j_end - c0);
     const Mask::Cover cover = mask.cover(qlo, qhi, std::min(k_pos(c0), k_pos(c0 + n - 1)),
                                          std::max(k_pos(c0), k_pos(c0 + n - 1)));
     if (cover == Mask::Cover::none) continue;
     const bool partial = cover == Mask::Cover::some;
 
-    // Scores s[h * R + r][jj] of every row against the chunk's keys, key rows in memory order.
-    for (int64_t jj = 0; jj < n; ++jj) {
+    // Scores s[h * R + r][jj] of every row against the chunk's keys, key rows in memory order
+    // (many fp32 rows: one GEMM per kv head and key part).
+    if (gemm) {
+      for (int64_t h = 0; h < p.heads_kv; ++h) {
+        const float* qh = p.q + h * R * dq;
+        float* sh = s + h * R * lds;
+        gemm_abt(qh, dq, R, k1 + c0 * p.k1_key + h * p.k1_head, p.k1_key, n, p.d1, sh, lds, 0.f);
+        if (p.d2 > 0)
+          gemm_abt(qh + p.d1, dq, R, k2 + c0 * p.k2_key + h * p.k2_head, p.k2_key, n, p.d2, sh, lds,
+                   1.f);
+      }
+    }
+    for (int64_t jj = 0; jj < n && !gemm; ++jj) {
       const int64_t j = c0 + jj;
       for (int64_t h = 0; h < p.heads_kv; ++h) {
         const float* qh = p.q + h * R * dq;
-        float* sh = s + h * R * kChunk + jj;
-        score_rows(qh, dq, R, k1 + j * p.k1_key + h * p.k1_head, p.d1, sh, kChunk, false);
+        float* sh = s + h * R * lds + jj;
+        score_rows(qh, dq, R, k1 + j * p.k1_key + h * p.k1_head, p.d1, sh, lds, false);
         if (p.d2 > 0)
-          score_rows(qh + p.d1, dq, R, k2 + j * p.k2_key + h * p.k2_head, p.d2, sh, kChunk, true);
+          score_rows(qh + p.d1, dq, R, k2 + j * p.k2_key + h * p.k2_head, p.d2, sh, lds, true);
       }
     }
     if (partial) {  // hide what the mask hides, on global positions
@@ -163,7 +197,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
         ws.qdoc[size_t(r)] = mask.document_of(p.q_pos[r]);
       for (int64_t t = 0; t < HR; ++t) {
         const int64_t r = t % R, qp = p.q_pos[r], qd = ws.qdoc[size_t(r)];
-        float* srow = s + t * kChunk;
+        float* srow = s + t * lds;
         for (int64_t jj = 0; jj < n; ++jj)
           if (!mask.in_band(qp, ws.kpos[size_t(jj)]) || ws.kdoc[size_t(jj)] != qd)
             srow[jj] = -INFINITY;
@@ -173,7 +207,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
     // The online-softmax update of each row; P replaces the scores.
     bool any_row = false;
     for (int64_t t = 0; t < HR; ++t) {
-      float* srow = s + t * kChunk;
+      float* srow = s + t * lds;
       float& m = ws.m[size_t(t)];
       float& l = ws.l[size_t(t)];
       const float m_new = std::max(m, row_max(srow, n));
@@ -195,7 +229,14 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
     if (!any_row) continue;
 
     // O += P V, each value row read once. In a partially hidden chunk a zero weight adds nothing:
-    // skipping it keeps a NaN or inf in a hidden value row out of the rows that do not see it.
+    // skipping it keeps a NaN or inf in a hidden value row out of the rows that do not see it
+    // (so the GEMM, which would multiply it by zero, runs on fully visible chunks only).
+    if (gemm && !partial) {
+      for (int64_t h = 0; h < p.heads_kv; ++h)
+        gemm_ab(s + h * R * lds, lds, R, n, v + c0 * p.v_key + h * p.v_head, p.v_key, dv,
+                o + h * R * dv);
+      continue;
+    }
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = c0 + jj;
       for (int64_t h = 0; h < p.heads_kv; ++h) {
@@ -208,7 +249,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
           vf = ws.vbuf.data();
         }
         for (int64_t r = 0; r < R; ++r) {
-          const float pr = s[(h * R + r) * kChunk + jj];
+          const float pr = s[(h * R + r) * lds + jj];
           if (partial && pr == 0.f) continue;
           axpy(o + (h * R + r) * dv, pr, vf, dv);
         }
@@ -286,6 +327,7 @@ void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, floa
     DATTN_THROW_KIND(ErrorKind::out_of_memory,
                      "out of host memory allocating the decode workspace");
   }
+  openblas_set_num_threads(1);  // each thread's GEMMs run on that thread
 #pragma omp parallel
   {
     Workspace& ws = workspaces[size_t(omp_get_thread_num())];

@@ -1,5 +1,6 @@
-// The CPU kernels of multi-head latent attention (kernels/cpu/mla_cpu.h): OpenBLAS sgemm/sgemv for
-// the decode step and the projections, LAPACK's dsyev for PCA.
+// The CPU kernels of multi-head latent attention (kernels/cpu/mla_cpu.h): the decode step on the
+// decode kernel (kernels/cpu/decode_cpu.h), OpenBLAS sgemm/sgemv for the absorption and the
+// projections, LAPACK's dsyev for PCA.
 #include "kernels/cpu/mla_cpu.h"
 
 #include <cblas.h>
@@ -9,7 +10,8 @@
 #include <cmath>
 #include <vector>
 
-#include "kernels/cpu/vec_math.h"
+#include "kernels/cpu/decode_cpu.h"
+#include "kernels/merge.h"
 #include "src/base/error.h"
 
 extern "C" void dsyev_(const char* jobz, const char* uplo, const int* n, double* a, const int* lda,
@@ -30,59 +32,61 @@ void mla_absorbed_decode(const MlaAbsorbedBlock& p, const Mask& mask, float* out
   const int64_t B = p.batch, Sq = p.seq_q, H = p.heads_all, S = p.seq_kv;
   const int64_t dn = p.qk_nope, dc = p.latent_all, dr = p.rope_all, dv = p.v_head;
   const int64_t nh = p.nh, nlat = p.nlat, nrope = p.nrope;
-  const float alpha = p.scale;
-  std::vector<float> qt(size_t(nh * nlat)), qp(size_t(nh * std::max<int64_t>(nrope, 1)));
-  std::vector<float> sc(size_t(nh * std::max<int64_t>(S, 1))), z(size_t(nh * nlat));
-  std::vector<float> m(static_cast<size_t>(nh)), l(static_cast<size_t>(nh));
-  AllBlasThreads threads;
-  for (int64_t b = 0; b < B; ++b) {
-    const float* cb = p.c_kv + b * S * nlat;
-    const float* kb = p.k_pe + b * S * nrope;
-    for (int64_t s = 0; s < Sq; ++s) {
-      const int64_t pos = p.q_pos0 + s;
-      for (int64_t i = 0; i < nh; ++i) {  // q~_h = W_UK_h[:, slice]^T q_nope_h
-        const int64_t h = p.h0 + i;
-        cblas_sgemv(CblasRowMajor, CblasTrans, int(dn), int(nlat), 1.f,
-                    p.w_uk + h * dn * dc + p.lat0, int(dc), p.q_nope + ((b * Sq + s) * H + h) * dn,
-                    1, 0.f, qt.data() + i * nlat, 1);
-        for (int64_t r = 0; r < nrope; ++r)
-          qp[size_t(i * nrope + r)] = p.q_pe[((b * Sq + s) * H + h) * dr + p.rope0 + r];
-      }
-      // scores [nh, S] = alpha (q~ C^T + q_pe K_pe^T)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nh), int(S), int(nlat), alpha,
-                  qt.data(), int(nlat), cb, int(nlat), 0.f, sc.data(), int(S));
-      if (nrope > 0)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(nh), int(S), int(nrope), alpha,
-                    qp.data(), int(nrope), kb, int(nrope), 1.f, sc.data(), int(S));
-      for (int64_t j = 0; j < S; ++j)
-        if (!mask.visible(pos, j))
-          for (int64_t i = 0; i < nh; ++i)
-            sc[size_t(i * S + j)] = -INFINITY;
-      for (int64_t i = 0; i < nh; ++i) {
-        float* row = sc.data() + i * S;
-        m[size_t(i)] = row_max(row, S);
-        if (m[size_t(i)] == -INFINITY) {
-          std::fill(row, row + S, 0.f);
-          l[size_t(i)] = 0.f;
-        } else {
-          l[size_t(i)] = exp_shift_sum(row, S, m[size_t(i)]);
+  // Rows r = s * nh + i (query s, head i of the slice) of one decode job per batch entry: the
+  // absorbed query [q~ | q_pe] times the scale, against keys [c_j | k_pe_j] and values c_j.
+  const int64_t R = Sq * nh, dq = nlat + nrope;
+  std::vector<float> q(size_t(B * R * dq));
+  std::vector<int64_t> q_pos(static_cast<size_t>(R));
+  {
+    AllBlasThreads threads;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < Sq; ++s)
+        for (int64_t i = 0; i < nh; ++i) {  // q~_h = W_UK_h[:, slice]^T q_nope_h
+          const int64_t h = p.h0 + i, qrow = (b * Sq + s) * H + h;
+          float* dst = q.data() + (b * R + s * nh + i) * dq;
+          cblas_sgemv(CblasRowMajor, CblasTrans, int(dn), int(nlat), p.scale,
+                      p.w_uk + h * dn * dc + p.lat0, int(dc), p.q_nope + qrow * dn, 1, 0.f, dst, 1);
+          for (int64_t r = 0; r < nrope; ++r)
+            dst[nlat + r] = p.scale * p.q_pe[qrow * dr + p.rope0 + r];
         }
-      }
-      // z [nh, nlat] = P C, then out_h = W_UV_h[:, slice] z_h / l_h
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(nh), int(nlat), int(S), 1.f,
-                  sc.data(), int(S), cb, int(nlat), 0.f, z.data(), int(nlat));
-      for (int64_t i = 0; i < nh; ++i) {
-        const int64_t h = p.h0 + i;
-        float* o = out + ((b * Sq + s) * out_heads + out_h0 + i) * dv;
-        const float inv = l[size_t(i)] > 0.f ? 1.f / l[size_t(i)] : 0.f;
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, int(dv), int(nlat), inv,
-                    p.w_uv + h * dv * dc + p.lat0, int(dc), z.data() + i * nlat, 1, 0.f, o, 1);
-        if (lse != nullptr)
-          lse[(b * nh + i) * Sq + s] =
-              l[size_t(i)] > 0.f ? m[size_t(i)] + std::log(l[size_t(i)]) : -INFINITY;
-      }
-    }
   }
+  for (int64_t r = 0; r < R; ++r)
+    q_pos[size_t(r)] = p.q_pos0 + r / nh;
+  std::vector<DecodeJob> jobs(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    DecodeJob& j = jobs[size_t(b)];
+    j.q = q.data() + b * R * dq;
+    j.q_pos = q_pos.data();
+    j.rows = R, j.d1 = nlat, j.d2 = nrope, j.dv = nlat, j.n_keys = S;
+    j.k1 = j.v = p.c_kv + b * S * nlat;
+    j.k2 = p.k_pe + b * S * nrope;
+    j.k1_key = j.v_key = nlat, j.k2_key = nrope;
+    j.mask = mask;
+  }
+  // The splits' partials, merged in split order into z [B, R, nlat] (the softmax-weighted latent).
+  const int64_t splits = decode_splits(B, S);
+  std::vector<float> zs(size_t(B * splits * R * nlat)), ls(size_t(B * splits * R));
+  decode_partials(jobs.data(), B, splits, zs.data(), ls.data());
+  std::vector<float> z(size_t(B * R * nlat)), zl(size_t(B * R));
+  clear_partial(z.data(), zl.data(), 1, B * R, 1, nlat);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t sp = 0; sp < splits; ++sp)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t u = (b * splits + sp) * R + r;
+        merge_row(z.data() + (b * R + r) * nlat, zl.data() + b * R + r, zs.data() + u * nlat,
+                  ls[size_t(u)], nlat);
+      }
+  // out_h = W_UV_h[:, slice] z_h (z = 0 for a query that sees no row: out = 0, lse = -inf).
+  AllBlasThreads threads;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < Sq; ++s)
+      for (int64_t i = 0; i < nh; ++i) {
+        const int64_t h = p.h0 + i, r = b * R + s * nh + i;
+        float* o = out + ((b * Sq + s) * out_heads + out_h0 + i) * dv;
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, int(dv), int(nlat), 1.f,
+                    p.w_uv + h * dv * dc + p.lat0, int(dc), z.data() + r * nlat, 1, 0.f, o, 1);
+        if (lse != nullptr) lse[(b * nh + i) * Sq + s] = zl[size_t(r)];
+      }
 }
 
 void mla_up_project(const float* c, int64_t tokens, int64_t latent, const float* w, int64_t heads,

@@ -1,7 +1,8 @@
 // The CPU kernels of multi-head latent attention (src/mla.h): the absorbed decode step of one
-// slice (sgemm over the whole cache per query), the up-projection of latents to per-head K/V, and
-// the latent transforms' math (the fast Walsh-Hadamard transform, PCA through LAPACK's dsyev, and
-// the product of rows with R^T). fp32 host memory throughout; BLAS runs on all OpenMP threads.
+// slice (the decode kernel: one pass over the latent cache for all the slice's heads and queries),
+// the up-projection of latents to per-head K/V, and the latent transforms' math (the fast
+// Walsh-Hadamard transform, PCA through LAPACK's dsyev, and the product of rows with R^T). fp32
+// host memory throughout; BLAS runs on all OpenMP threads.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,8 @@ namespace dattn::cpu {
 
 // The absorbed decode of one slice (kernels/mla_block.h): q~_h = W_UK_h[:, slice]^T q_nope_h,
 // scores [nh, S] = scale (q~ C^T + q_pe K_pe^T) where `mask` (documents too; blk.left and
-// blk.right are not read) lets query s see row j, softmax, z = P C, out_h = W_UV_h[:, slice] z_h.
+// blk.right are not read) lets query s see row j, softmax, z = P C, out_h = W_UV_h[:, slice] z_h;
+// the cache is read once per call, split across the OpenMP threads (kernels/cpu/decode_cpu.h).
 // Writes (not adds) out [batch, seq_q, out_heads, v_head] at heads out_h0 .. out_h0 + nh, and
 // lse [batch, nh, seq_q] unless null; a query that sees no row gets out = 0, lse = -inf.
 void mla_absorbed_decode(const MlaAbsorbedBlock& blk, const Mask& mask, float* out,

@@ -78,6 +78,13 @@ Tensor pack_shard(const KvCache& c, size_t min_bytes) {
   return buf;
 }
 
+// One rank: its own shard is the whole cache, attended in place (nothing to pass or gather).
+Partial attend_own_shard(const Tensor& q, const std::vector<Run>& q_runs, const KvCache& c) {
+  Partial res = empty_partial(q, c.spec());
+  attend_runs(q, q_runs, c.k().data(), c.v().data(), c.capacity(), c.runs(0), c.spec(), res);
+  return res;
+}
+
 // Attends q to a packed shard of `origin` (K then V, compact).
 void attend_packed(const Tensor& q, const std::vector<Run>& q_runs, const char* shard,
                    const KvCache& c, int origin, Partial& res) {
@@ -97,13 +104,14 @@ void attend_packed(const Tensor& q, const std::vector<Run>& q_runs, const char* 
 Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>& q_runs,
                     const KvCache& c) {
   const int P = comm.size(), me = comm.rank();
+  if (P == 1) return attend_own_shard(q, q_runs, c);
   const size_t per_token = c.k_row_bytes() + c.v_row_bytes();
   auto bytes_of = [&](int origin) { return size_t(c.batch() * c.local_len(origin)) * per_token; };
   std::vector<Partial> parts(static_cast<size_t>(P));
   size_t biggest = 0;
   for (int r = 0; r < P; ++r)
     biggest = std::max(biggest, bytes_of(r));
-  Tensor buf[2] = {pack_shard(c, biggest), byte_buffer(P > 1 ? biggest : 0, c.device())};
+  Tensor buf[2] = {pack_shard(c, biggest), byte_buffer(biggest, c.device())};
   for (int step = 0; step < P; ++step) {
     const int origin = (me - step + P) % P, incoming = (me - step - 1 + 2 * P) % P;
     std::vector<RequestPtr> pending;
@@ -138,11 +146,7 @@ Partial allgather_decode(Communicator& comm, const Tensor& q, const std::vector<
   size_t total = 0;
   for (int r = 0; r < P; ++r)
     total += counts[size_t(r)] = size_t(c.batch() * c.local_len(r)) * per_token;
-  if (P == 1) {  // one rank: nothing to gather
-    Partial res = empty_partial(q, c.spec());
-    attend_runs(q, q_runs, c.k().data(), c.v().data(), c.capacity(), c.runs(0), c.spec(), res);
-    return res;
-  }
+  if (P == 1) return attend_own_shard(q, q_runs, c);
   const Tensor mine = pack_shard(c, 0);
   const Tensor all = byte_buffer(total, c.device());
   comm.allgatherv(mine.data(), counts[size_t(comm.rank())], all.data(), counts);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cpu/decode_cpu.h"
 #include "kernels/cpu/finite.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
@@ -252,8 +253,9 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
 
 std::string cpu_kernel_info() {
   const char* core = openblas_get_corename();
-  std::string info = detail::cat("blas OpenBLAS core ", core ? core : "?", ", softmax ",
-                                 vec_math_isa(), ", tiles ", kTileQ, "x", kTileK);
+  std::string info =
+      detail::cat("blas OpenBLAS core ", core ? core : "?", ", softmax ", vec_math_isa(),
+                  ", tiles ", kTileQ, "x", kTileK, ", decode ", decode_isa_name(decode_best_isa()));
   if (core != nullptr && std::strcmp(core, "Prescott") == 0)
     info += " (WARNING: generic BLAS kernels; set OPENBLAS_CORETYPE, see launch/mpirun.sh)";
   return info;

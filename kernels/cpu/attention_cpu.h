@@ -27,8 +27,9 @@ struct AttentionBlock : BlockOfWork {
 // Parallel (OpenMP) over batch x head x query tile; BLAS runs single-threaded inside.
 void attention_forward(const AttentionBlock& blk, float* out, float* lse);
 
-// One line for report headers: the BLAS, its kernel core, the softmax ISA and the tiles, with a
-// warning when OpenBLAS runs its generic kernels (set OPENBLAS_CORETYPE, see CMakeLists.txt).
+// One line for report headers: the BLAS, its kernel core, the softmax ISA, the tiles and the decode
+// kernel's ISA, with a warning when OpenBLAS runs its generic kernels (set OPENBLAS_CORETYPE, see
+// CMakeLists.txt).
 std::string cpu_kernel_info();
 
 // Query and key tile sizes (rows), exposed for tests that want shapes straddling tiles.

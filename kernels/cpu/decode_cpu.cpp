@@ -2,8 +2,8 @@
 // kChunk: the scores of every row against the chunk's keys (each key row read once, widened in
 // registers, dotted with four query rows at a time), the online-softmax update of each row, then
 // O += P V with each value row read once. The loops are plain C++ vectorised by the compiler,
-// built three times (x86-64-v4: AVX-512; v3: AVX2, FMA, F16C; the baseline) and picked at load
-// time (GCC's target_clones).
+// built three times (x86-64-v4: AVX-512; v3: AVX2, FMA, F16C; the x86-64 baseline), the best the
+// CPU runs picked at load time.
 #include "kernels/cpu/decode_cpu.h"
 
 #include <cblas.h>
@@ -270,23 +270,37 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
   }
 }
 
+// run_split for one dtype, the loops built for one instruction set (the attribute).
+#define DATTN_DECODE_RUN_SPLIT(name, attributes)                                          \
+  attributes void name(const DecodeJob& p, int64_t j_begin, int64_t j_end, Workspace& ws, \
+                       float* o, float* lse) {                                            \
+    switch (p.dtype) {                                                                    \
+      case DType::f32:                                                                    \
+        return run_split<float>(p, j_begin, j_end, ws, o, lse);                           \
+      case DType::bf16:                                                                   \
+        return run_split<Bf16Bits>(p, j_begin, j_end, ws, o, lse);                        \
+      case DType::f16:                                                                    \
+        return run_split<_Float16>(p, j_begin, j_end, ws, o, lse);                        \
+    }                                                                                     \
+  }
+DATTN_DECODE_RUN_SPLIT(run_split_baseline, )
 #if defined(__x86_64__) && defined(__GNUC__)
-#define DATTN_DECODE_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+DATTN_DECODE_RUN_SPLIT(run_split_v3, __attribute__((target("arch=x86-64-v3"))))
+DATTN_DECODE_RUN_SPLIT(run_split_v4, __attribute__((target("arch=x86-64-v4"))))
+const DecodeIsa kBestIsa = __builtin_cpu_supports("x86-64-v4")   ? DecodeIsa::x86_64_v4
+                           : __builtin_cpu_supports("x86-64-v3") ? DecodeIsa::x86_64_v3
+                                                                 : DecodeIsa::baseline;
 #else
-#define DATTN_DECODE_CLONES
+const DecodeIsa kBestIsa = DecodeIsa::baseline;
 #endif
 
-DATTN_DECODE_CLONES void run_split_any(const DecodeJob& p, int64_t j_begin, int64_t j_end,
-                                       Workspace& ws, float* o, float* lse) {
-  switch (p.dtype) {
-    case DType::f32:
-      return run_split<float>(p, j_begin, j_end, ws, o, lse);
-    case DType::bf16:
-      return run_split<Bf16Bits>(p, j_begin, j_end, ws, o, lse);
-    case DType::f16:
-      return run_split<_Float16>(p, j_begin, j_end, ws, o, lse);
-  }
+void run_split_on(DecodeIsa isa, const DecodeJob& p, int64_t j_begin, int64_t j_end, Workspace& ws,
+                  float* o, float* lse) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa == DecodeIsa::x86_64_v4) return run_split_v4(p, j_begin, j_end, ws, o, lse);
+  if (isa == DecodeIsa::x86_64_v3) return run_split_v3(p, j_begin, j_end, ws, o, lse);
+#endif
+  run_split_baseline(p, j_begin, j_end, ws, o, lse);
 }
 
 // A float buffer of n elements; running out of memory is a dattn::Error (not std::bad_alloc).
@@ -312,8 +326,10 @@ int64_t decode_splits(int64_t jobs, int64_t n_keys) {
   return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, n_keys / kMinSplitKeys));
 }
 
-void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse) {
+void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse,
+                     DecodeIsa isa) {
   if (n_jobs <= 0) return;
+  DATTN_ASSERT(isa <= kBestIsa);
   const DecodeJob& p0 = jobs[0];
   const int64_t HR = p0.heads_kv * p0.rows, dv = p0.dv, n_keys = p0.n_keys;
   // Splits of whole chunks; trailing ones may be empty (their partial is the empty one).
@@ -334,20 +350,28 @@ void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, floa
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < n_jobs * splits; ++u) {
       const int64_t j0 = std::min(n_keys, (u % splits) * per), j1 = std::min(n_keys, j0 + per);
-      run_split_any(jobs[u / splits], j0, j1, ws, o + u * HR * dv, lse + u * HR);
+      run_split_on(isa, jobs[u / splits], j0, j1, ws, o + u * HR * dv, lse + u * HR);
     }
   }
 }
 
-const char* decode_kernel_isa() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
-  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
-#endif
-  return "default";
+DecodeIsa decode_best_isa() {
+  return kBestIsa;
 }
 
-void decode_forward(const AttentionBlock& blk, float* out, float* lse) {
+const char* decode_isa_name(DecodeIsa isa) {
+  switch (isa) {
+    case DecodeIsa::x86_64_v4:
+      return "x86-64-v4";
+    case DecodeIsa::x86_64_v3:
+      return "x86-64-v3";
+    case DecodeIsa::baseline:
+      return "baseline";
+  }
+  return "?";
+}
+
+void decode_forward(const AttentionBlock& blk, float* out, float* lse, DecodeIsa isa) {
   const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
   const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
   const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
@@ -401,7 +425,7 @@ void decode_forward(const AttentionBlock& blk, float* out, float* lse) {
   const int64_t splits = decode_splits(B, k_len);
   std::vector<float> o = buffer(size_t(B * splits * HR * Dv), "partials");
   std::vector<float> l = buffer(size_t(B * splits * HR), "partials");
-  decode_partials(jobs.data(), B, splits, o.data(), l.data());
+  decode_partials(jobs.data(), B, splits, o.data(), l.data(), isa);
 
   // Merge the splits, in split order, into the running partial.
   for (int64_t b = 0; b < B; ++b)

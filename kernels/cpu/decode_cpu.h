@@ -18,11 +18,18 @@ namespace dattn::cpu {
 // once per query head, and its GEMMs are no faster while the rows are few.
 bool decode_kernel_wins(int64_t q_len, int64_t group);
 
+// The instruction sets the kernel's loops are built for, best last; tests run every one the CPU
+// has (isa <= decode_best_isa()).
+enum class DecodeIsa { baseline, x86_64_v3, x86_64_v4 };
+DecodeIsa decode_best_isa();
+const char* decode_isa_name(DecodeIsa isa);  // "x86-64-v4", "x86-64-v3", "baseline"
+
 // attention_forward's contract (kernels/cpu/attention_cpu.h) for any block: attends blk's query
 // rows to its key rows and merges the result into the running partial out/lse; rows that see no
 // key are unchanged; a NaN or inf that the mask hides from a row never reaches it. Bit-identical
 // from run to run at a fixed OpenMP thread count. Workspace O(rows x splits), never S_q x S_k.
-void decode_forward(const AttentionBlock& blk, float* out, float* lse);
+void decode_forward(const AttentionBlock& blk, float* out, float* lse,
+                    DecodeIsa isa = decode_best_isa());
 
 // The generic decode over one batch entry, which decode_forward and the MLA decode share: rows
 // query rows per kv head against keys [0, n_keys), for heads_kv kv heads. A key's score for a row
@@ -49,9 +56,7 @@ struct DecodeJob {
 // Parallel (OpenMP) over jobs x splits. decode_splits() is the split count used at this thread
 // count.
 int64_t decode_splits(int64_t jobs, int64_t n_keys);
-void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse);
-
-// The instruction set decode_partials runs on this CPU ("x86-64-v4", "x86-64-v3" or "default").
-const char* decode_kernel_isa();
+void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, float* o, float* lse,
+                     DecodeIsa isa = decode_best_isa());
 
 }  // namespace dattn::cpu

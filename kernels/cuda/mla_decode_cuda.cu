@@ -1,10 +1,11 @@
-// The absorbed-MLA decode kernel: one CTA per (head, query, batch); each warp runs an online
-// softmax over every 8th visible cache row (lanes split the latent, so cache rows are read
-// coalesced), then the CTA merges its warps' states. Plain fp32 CUDA cores: decode reads the
-// whole cache once per head and is bound by memory, not by FLOPs. Around it, the small
-// absorption (W_UK into the query) and projection (W_UV of z) kernels of mla_absorbed_decode.
+// The absorbed-MLA decode kernel, split-KV: the cache rows are split across enough CTAs to fill
+// the GPU, each CTA streams its split once for a block of heads (a warp each, lanes over the
+// latent), and a merge kernel combines the splits' states in a fixed order. Plain fp32 CUDA cores:
+// decode is bound by the memory it reads, not by FLOPs. Around it, the small absorption (W_UK
+// into the query) and projection (W_UV of z) kernels of mla_absorbed_decode.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -19,101 +20,151 @@ namespace dattn::cuda {
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;  // the decode kernel: a warp per head, kWarps heads per CTA
 constexpr int kMaxLatentPerLane = int(kMaxMlaLatent / 32);  // a lane's latent columns, in registers
 static_assert(kMaxLatentPerLane * 32 == kMaxMlaLatent, "the latent limit splits over 32 lanes");
 constexpr int64_t kMaxLatent = kMaxMlaLatent;
 constexpr int64_t kMaxRope = kMaxMlaRope;
+constexpr int64_t kMinSplitRows = 64;   // cache rows a split gets at least
+constexpr int64_t kSmemFloats = 12288;  // 48 KiB: what a kernel gets without an opt-in
+constexpr int64_t kMaxTileRows = 16;
 
+// The decode's shape on the device: splits of the cache rows, CTAs of kWarps heads, and the rows
+// staged in shared memory at a time.
+struct Split {
+  int64_t splits = 1, split_len = 0, head_blocks = 1, tile = 1;
+};
+
+// One CTA per (split of the cache rows, block of kWarps heads, query, batch entry). The CTA stages
+// its split's visible rows in shared memory, a tile at a time (each row read from memory once for
+// all kWarps heads, coalesced); warp w runs the online softmax of head hb * kWarps + w over them,
+// its lanes holding latent / 32 columns of the absorbed query and of z in registers. Writes the
+// unnormalised state (z, max, sum) of each (row of q, split) for mla_merge_kernel.
 __global__ void __launch_bounds__(kWarps * 32)
-    mla_decode_kernel(const MlaDecodeBlock p, float* z, float* lse) {
+    mla_decode_kernel(const MlaDecodeBlock p, const Split sp, float* part_z, float* part_ml) {
   DATTN_DYNAMIC_SHARED(float, smem);
   const int64_t dc = p.latent, dr = p.rope, S = p.seq_kv;
-  float* sq = smem;              // [dc] this head's absorbed query
-  float* sqp = sq + dc;          // [dr] its RoPE query
-  float* sz = sqp + dr;          // [kWarps, dc] the warps' unnormalised z
-  float* sm = sz + kWarps * dc;  // [kWarps] their row max
-  float* sl = sm + kWarps;       // [kWarps] their row sum
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const int64_t h = blockIdx.x, s = blockIdx.y, b = blockIdx.z;
+  const int64_t split = blockIdx.x / sp.head_blocks, hb = blockIdx.x % sp.head_blocks;
+  const int64_t s = blockIdx.y, b = blockIdx.z, h = hb * kWarps + warp;
+  const bool active = h < p.heads;
+  float* sqp = smem;              // [kWarps, dr] the warps' RoPE queries
+  float* sc = sqp + kWarps * dr;  // [tile, dc] cache rows
+  float* sk = sc + sp.tile * dc;  // [tile, dr] their RoPE keys
   const int64_t qrow = (b * p.seq_q + s) * p.heads + h;
-  for (int64_t c = tid; c < dc; c += kWarps * 32)
-    sq[c] = p.q_latent[qrow * dc + c];
-  for (int64_t c = tid; c < dr; c += kWarps * 32)
-    sqp[c] = p.q_pe[qrow * dr + c];
-  __syncthreads();
-
-  // The visible cache rows: [pos - left, pos + right] within [0, S).
-  const int64_t pos = p.q_pos0 + s;
-  const int64_t j_lo = p.left < 0 ? 0 : max(int64_t(0), pos - p.left);
-  const int64_t j_hi = p.right < 0 ? S - 1 : min(S - 1, pos + p.right);
-
-  float m = -INFINITY, l = 0.f, acc[kMaxLatentPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxLatentPerLane; ++i)
-    acc[i] = 0.f;
-  for (int64_t j = j_lo + warp; j <= j_hi; j += kWarps) {
-    const float* crow = p.c_kv + (b * S + j) * dc;
-    const float* krow = p.k_pe + (b * S + j) * dr;
-    float cv[kMaxLatentPerLane], dot = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxLatentPerLane; ++i) {
-      const int64_t c = lane + 32 * i;
-      cv[i] = c < dc ? crow[c] : 0.f;
-      if (c < dc) dot += sq[c] * cv[i];
-    }
-    for (int64_t c = lane; c < dr; c += 32)
-      dot += sqp[c] * krow[c];
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2)
-      dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    const float score = p.scale * dot;
-    const float m_new = fmaxf(m, score);
-    const float alpha = expf(m - m_new);  // m = -inf (first row): 0
-    const float pj = expf(score - m_new);
-    l = l * alpha + pj;
-#pragma unroll
-    for (int i = 0; i < kMaxLatentPerLane; ++i)
-      acc[i] = acc[i] * alpha + pj * cv[i];
-    m = m_new;
-  }
+  float qv[kMaxLatentPerLane], acc[kMaxLatentPerLane];
 #pragma unroll
   for (int i = 0; i < kMaxLatentPerLane; ++i) {
     const int64_t c = lane + 32 * i;
-    if (c < dc) sz[warp * dc + c] = acc[i];
+    qv[i] = active && c < dc ? p.q_latent[qrow * dc + c] : 0.f;
+    acc[i] = 0.f;
+  }
+  for (int64_t c = lane; c < dr; c += 32)
+    sqp[warp * dr + c] = active ? p.q_pe[qrow * dr + c] : 0.f;
+
+  // The visible rows [pos - left, pos + right] within [0, S), and of them this split's: the same
+  // for every warp of the CTA, so that all of them meet at each barrier.
+  const int64_t pos = p.q_pos0 + s;
+  const int64_t j_lo = p.left < 0 ? 0 : max(int64_t(0), pos - p.left);
+  const int64_t j_hi = p.right < 0 ? S - 1 : min(S - 1, pos + p.right);
+  const int64_t first = max(j_lo, split * sp.split_len);
+  const int64_t end = min(j_hi + 1, (split + 1) * sp.split_len);
+  float m = -INFINITY, l = 0.f;
+  for (int64_t t0 = first; t0 < end; t0 += sp.tile) {
+    const int64_t nt = min(sp.tile, end - t0);
+    __syncthreads();  // the previous tile is consumed (and, the first time, sqp is written)
+    for (int64_t x = tid; x < nt * dc; x += kWarps * 32)
+      sc[x] = p.c_kv[(b * S + t0) * dc + x];
+    for (int64_t x = tid; x < nt * dr; x += kWarps * 32)
+      sk[x] = p.k_pe[(b * S + t0) * dr + x];
+    __syncthreads();
+    if (!active) continue;
+    for (int64_t r = 0; r < nt; ++r) {
+      float cv[kMaxLatentPerLane], dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxLatentPerLane; ++i) {
+        const int64_t c = lane + 32 * i;
+        cv[i] = c < dc ? sc[r * dc + c] : 0.f;
+        dot += qv[i] * cv[i];
+      }
+      for (int64_t c = lane; c < dr; c += 32)
+        dot += sqp[warp * dr + c] * sk[r * dr + c];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2)
+        dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      const float score = p.scale * dot;
+      const float m_new = fmaxf(m, score);
+      const float alpha = expf(m - m_new);  // m = -inf (first row): 0
+      const float pj = expf(score - m_new);
+      l = l * alpha + pj;
+#pragma unroll
+      for (int i = 0; i < kMaxLatentPerLane; ++i)
+        acc[i] = acc[i] * alpha + pj * cv[i];
+      m = m_new;
+    }
+  }
+  if (!active) return;
+  const int64_t prow = qrow * sp.splits + split;
+#pragma unroll
+  for (int i = 0; i < kMaxLatentPerLane; ++i) {
+    const int64_t c = lane + 32 * i;
+    if (c < dc) part_z[prow * dc + c] = acc[i];
   }
   if (lane == 0) {
-    sm[warp] = m;
-    sl[warp] = l;
+    part_ml[2 * prow] = m;
+    part_ml[2 * prow + 1] = l;
   }
-  __syncthreads();
+}
 
-  // Merge the warps' states (the log-sum-exp rule of kernels/merge.h).
+// The splits' states of one (head, query, batch) merged in split order (the log-sum-exp rule of
+// kernels/merge.h; the same bits from run to run): z normalised, lse; no visible row: z = 0,
+// lse = -inf.
+__global__ void __launch_bounds__(kWarps * 32)
+    mla_merge_kernel(const MlaDecodeBlock p, const Split sp, const float* part_z,
+                     const float* part_ml, float* z, float* lse) {
+  const int tid = int(threadIdx.x);
+  const int64_t h = blockIdx.x, s = blockIdx.y, b = blockIdx.z, dc = p.latent;
+  const int64_t qrow = (b * p.seq_q + s) * p.heads + h;
+  const float* ml = part_ml + 2 * qrow * sp.splits;
   float mx = -INFINITY;
-  for (int w = 0; w < kWarps; ++w)
-    mx = fmaxf(mx, sm[w]);
+  for (int64_t k = 0; k < sp.splits; ++k)
+    mx = fmaxf(mx, ml[2 * k]);
   float* zrow = z + qrow * dc;
-  if (mx == -INFINITY) {  // no visible cache row: the empty partial
+  if (mx == -INFINITY) {
     for (int64_t c = tid; c < dc; c += kWarps * 32)
       zrow[c] = 0.f;
     if (tid == 0) lse[(b * p.heads + h) * p.seq_q + s] = -INFINITY;
     return;
   }
-  float wts[kWarps], sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    wts[w] = sm[w] == -INFINITY ? 0.f : expf(sm[w] - mx);
-    sum += wts[w] * sl[w];
-  }
+  float sum = 0.f;
+  for (int64_t k = 0; k < sp.splits; ++k)
+    sum += (ml[2 * k] == -INFINITY ? 0.f : expf(ml[2 * k] - mx)) * ml[2 * k + 1];
   const float inv = 1.f / sum;
   for (int64_t c = tid; c < dc; c += kWarps * 32) {
     float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      v += wts[w] * sz[w * dc + c];
+    for (int64_t k = 0; k < sp.splits; ++k)
+      if (ml[2 * k] != -INFINITY)
+        v += expf(ml[2 * k] - mx) * part_z[(qrow * sp.splits + k) * dc + c];
     zrow[c] = v * inv;
   }
   if (tid == 0) lse[(b * p.heads + h) * p.seq_q + s] = mx + logf(sum);
+}
+
+// Enough CTAs for about two per SM, each split at least kMinSplitRows rows; a tile as large as
+// the shared memory holds beside the RoPE queries.
+Split plan_split(const MlaDecodeBlock& blk) {
+  Split sp;
+  int device = 0, sms = 0;
+  DATTN_CUDA_CHECK(cudaGetDevice(&device));
+  DATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  sp.head_blocks = (blk.heads + kWarps - 1) / kWarps;
+  const int64_t ctas = sp.head_blocks * blk.seq_q * blk.batch;
+  const int64_t max_splits = std::max<int64_t>(1, (blk.seq_kv + kMinSplitRows - 1) / kMinSplitRows);
+  sp.splits = std::clamp<int64_t>((2 * int64_t(sms) + ctas - 1) / ctas, 1, max_splits);
+  sp.split_len = (blk.seq_kv + sp.splits - 1) / sp.splits;
+  sp.tile = std::clamp<int64_t>((kSmemFloats - kWarps * blk.rope) / (blk.latent + blk.rope), 1,
+                                kMaxTileRows);
+  return sp;
 }
 
 constexpr int kThreads = 256;  // the absorption and projection kernels: 8 warps
@@ -274,11 +325,24 @@ void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStr
                   "a device pointer");
   DATTN_CHECK_ARG(z != nullptr, "z", "null", "a device pointer");
   DATTN_CHECK_ARG(lse != nullptr, "lse", "null", "a device pointer");
-  // At most (1024 * 9 + 512 + 16) floats = 39 KiB: under the 48 KiB that needs no opt-in.
-  const size_t smem = size_t(blk.latent * (1 + kWarps) + blk.rope + 2 * kWarps) * sizeof(float);
-  const dim3 grid(unsigned(blk.heads), unsigned(blk.seq_q), unsigned(blk.batch));
-  DATTN_LAUNCH(mla_decode_kernel, grid, kWarps * 32, smem, stream, blk, z, lse);
+  // Scratch: each (row of q, split)'s unnormalised z and its (max, sum); stream-ordered.
+  const Split sp = plan_split(blk);
+  const size_t parts = size_t(blk.batch * blk.seq_q * blk.heads * sp.splits);
+  float* ws = nullptr;
+  DATTN_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws),
+                                   parts * size_t(blk.latent + 2) * sizeof(float), stream));
+  float* part_z = ws;
+  float* part_ml = ws + parts * size_t(blk.latent);
+  // At most kWarps * 512 + tile * (latent + rope) <= kSmemFloats floats (plan_split's tile).
+  const size_t smem = size_t(kWarps * blk.rope + sp.tile * (blk.latent + blk.rope)) * sizeof(float);
+  const dim3 grid(unsigned(sp.splits * sp.head_blocks), unsigned(blk.seq_q), unsigned(blk.batch));
+  DATTN_LAUNCH(mla_decode_kernel, grid, kWarps * 32, smem, stream, blk, sp, part_z, part_ml);
   DATTN_CUDA_CHECK(cudaGetLastError());
+  const dim3 merge_grid(unsigned(blk.heads), unsigned(blk.seq_q), unsigned(blk.batch));
+  DATTN_LAUNCH(mla_merge_kernel, merge_grid, kWarps * 32, 0, stream, blk, sp, part_z, part_ml, z,
+               lse);
+  DATTN_CUDA_CHECK(cudaGetLastError());
+  DATTN_CUDA_CHECK(cudaFreeAsync(ws, stream));
 }
 
 }  // namespace dattn::cuda

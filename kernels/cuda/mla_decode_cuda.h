@@ -33,8 +33,10 @@ struct MlaDecodeBlock {
 // scores_h[j] = scale * (q~_h . c_j + q_pe_h . k_pe_j) over the visible j; writes (not merges)
 // z [batch, seq_q, heads, latent] = softmax(scores_h) . c and lse [batch, heads, seq_q] (natural
 // log-sum-exp of the scores); a query that sees no cache row gets z = 0, lse = -inf. latent and
-// rope within kernels/cuda/limits.h. Validated before launch (dattn::Error naming the field);
-// asynchronous on `stream`.
+// rope within kernels/cuda/limits.h. The cache rows are split across CTAs (split-KV), each row
+// read once per block of heads, and the splits merged in a fixed order (the same bits from run to
+// run); the splits' states are stream-ordered scratch. Validated before launch (dattn::Error
+// naming the field); asynchronous on `stream`.
 void mla_decode_forward(const MlaDecodeBlock& blk, float* z, float* lse, cudaStream_t stream);
 
 // The whole absorbed decode of one rank's slice (kernels/mla_block.h) on the device, in three

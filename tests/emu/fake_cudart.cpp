@@ -65,7 +65,11 @@ cudaError_t cudaSetDevice(int device) {
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
-  *value = attr == cudaDevAttrMemoryPoolsSupported ? 1 : 0;
+  // Memory pools (cudaMallocAsync) and a few SMs, so that kernels that size their grid by the
+  // SM count split their work as on a GPU.
+  *value = attr == cudaDevAttrMemoryPoolsSupported  ? 1
+           : attr == cudaDevAttrMultiProcessorCount ? 4
+                                                    : 0;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {

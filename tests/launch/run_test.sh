@@ -4,7 +4,8 @@
 # every rank exits non-zero without hanging; --config takes the command line's keys and loses to
 # it; --dry-run plans 1024 ranks without computing; --tp splits heads and stays correct (#wrong 0
 # against float64, the check on by default); -k 0 leaves #wrong N/A; --compare reruns the largest
-# case per value and prints the ratio; --json rows carry the common keys.
+# case per value and prints the ratio; --json rows carry the common keys; launch/mpirun.sh gives
+# a lone rank all the cores.
 #   bash tests/launch/run_test.sh REPO BIN_DIR
 set -euo pipefail
 repo=${1:?REPO}
@@ -181,6 +182,19 @@ for r in rows:
     assert r["workload"] == "prefill" and r["ranks"] == 3 and r["wrong"] == 0, r
 PY
 then pass "JSON rows carry the common keys"; else fail "JSON rows"; fi
+
+# launch/mpirun.sh gives a lone rank every core (Open MPI alone would bind it to one, and a
+# rank's OpenMP threads would share that core); a caller's --bind-to wins.
+if (($(nproc) >= 2)); then
+  checks=$((checks + 1))
+  bash "$repo/launch/mpirun.sh" -n 1 --report-bindings true >"$work/out" 2>&1 || true
+  if grep -q "not bound (or bound to all" "$work/out"; then pass "one rank: all cores"
+  else fail "one rank bound to part of the cores: $(cat "$work/out")"; fi
+  checks=$((checks + 1))
+  bash "$repo/launch/mpirun.sh" -n 1 --bind-to core --report-bindings true >"$work/out" 2>&1 || true
+  if grep -q "bound to socket" "$work/out"; then pass "--bind-to core wins"
+  else fail "--bind-to core ignored: $(cat "$work/out")"; fi
+fi
 
 if ((failures > 0)); then
   echo "dattn-run test: $failures of $checks checks FAILED"

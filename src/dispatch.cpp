@@ -257,7 +257,7 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
   // query heads of a kv head); longer query blocks: the tile kernel.
   auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
-    const bool decode = cpu::decode_kernel_wins(qr.length, spec.heads_q / spec.heads_kv);
+    const bool decode = cpu::decode_kernel_wins(qr.length);
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
       if (decode)

@@ -151,6 +151,18 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
   EXPECT_EQ(cases, 60);
 }
 
+// Blocks of many rows (up to the dispatch's limit, GQA 4: 256 rows per kv head) run the chunks'
+// GEMMs, 16-bit chunks widened once; partially masked chunks add P V row by row.
+TEST(DecodeKernel, ManyRowsRunTheGemmPath) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (Mask m : {Mask::causal(), Mask::document({0, 700, 1480, 3000}, true)}) {
+      DecodeCase c{cpu::kDecodeMaxQueryRows, 1500, 8, 2, 64, 48, dt, m};
+      SCOPED_TRACE(c.str());
+      EXPECT_TRUE(decode_matches(c, 41));
+    }
+  }
+}
+
 // Keys at strided and blocked global positions (the striped and zigzag layouts' shards).
 TEST(DecodeKernel, StridedKeyPositions) {
   struct S {
@@ -227,41 +239,45 @@ TEST(DecodeKernel, EmptyKeyRangesLeaveThePartialUnchanged) {
 // NaN and inf in K/V rows that no query sees (future tokens in the chunk of the last visible
 // ones; another document) change nothing, bit for bit; a NaN a query does see reaches it.
 TEST(DecodeKernel, HiddenNonFiniteRowsNeverReachTheOutput) {
-  for (DType dt : {DType::f32, DType::bf16}) {
-    for (Mask m : {Mask::causal(), Mask::document({0, 40, 2000}, true)}) {
-      DecodeCase c{2, 100, 4, 2, 64, 48, dt, m};
-      Problem p = make_problem(c, 13);
-      // Queries at 60, 61: keys 62.. are in their future; with documents, keys 0..39 are in
-      // another document.
-      p.q_pos = {60, 61};
-      cpu::AttentionBlock blk = make_block(p, c);
-      blk.q_pos0 = 60;
-      PartialBuf clean(c.Sq, c.Hq, c.Dv);
-      cpu::decode_forward(blk, clean.out.data(), clean.lse.data());
-      const bool docs = bool(m.documents);
-      const size_t es = dtype_size(dt);
-      auto poison = [&](Tensor& t, int64_t row, int64_t dim, float value) {
-        std::vector<float> vals(size_t(c.Hkv * dim), value);
-        convert_from_f32(vals.data(), static_cast<char*>(t.data()) + size_t(row * c.Hkv * dim) * es,
-                         dt, vals.size());
-      };
-      for (int64_t j : {62, 63, 80, 99})
-        poison(p.v, j, c.Dv, NAN), poison(p.k, j, c.D, INFINITY);
-      if (docs)
-        for (int64_t j : {0, 7, 39})
-          poison(p.v, j, c.Dv, INFINITY), poison(p.k, j, c.D, NAN);
-      PartialBuf dirty(c.Sq, c.Hq, c.Dv);
-      cpu::decode_forward(blk, dirty.out.data(), dirty.lse.data());
-      SCOPED_TRACE(c.str());
-      EXPECT_TRUE(same_bits(dirty.out, clean.out));
-      EXPECT_TRUE(same_bits(dirty.lse, clean.lse));
-      // Key 61 is seen by query 61 only.
-      poison(p.v, 61, c.Dv, NAN);
-      PartialBuf seen(c.Sq, c.Hq, c.Dv);
-      cpu::decode_forward(blk, seen.out.data(), seen.lse.data());
-      for (int64_t h = 0; h < c.Hq; ++h) {
-        EXPECT_TRUE(std::isnan(seen.out[size_t((1 * c.Hq + h) * c.Dv)]));
-        EXPECT_EQ(seen.out[size_t((0 * c.Hq + h) * c.Dv)], clean.out[size_t(h * c.Dv)]);
+  for (bool many_rows : {false, true}) {
+    for (DType dt : {DType::f32, DType::bf16}) {
+      for (Mask m : {Mask::causal(), Mask::document({0, 40, 2000}, true)}) {
+        DecodeCase c{2, 100, 4, 2, 64, 48, dt, m};
+        if (many_rows) c.Hq = 32, c.Hkv = 2;  // 32 rows per kv head: the GEMM path
+        Problem p = make_problem(c, 13);
+        // Queries at 60, 61: keys 62.. are in their future; with documents, keys 0..39 are in
+        // another document.
+        p.q_pos = {60, 61};
+        cpu::AttentionBlock blk = make_block(p, c);
+        blk.q_pos0 = 60;
+        PartialBuf clean(c.Sq, c.Hq, c.Dv);
+        cpu::decode_forward(blk, clean.out.data(), clean.lse.data());
+        const bool docs = bool(m.documents);
+        const size_t es = dtype_size(dt);
+        auto poison = [&](Tensor& t, int64_t row, int64_t dim, float value) {
+          std::vector<float> vals(size_t(c.Hkv * dim), value);
+          convert_from_f32(vals.data(),
+                           static_cast<char*>(t.data()) + size_t(row * c.Hkv * dim) * es, dt,
+                           vals.size());
+        };
+        for (int64_t j : {62, 63, 80, 99})
+          poison(p.v, j, c.Dv, NAN), poison(p.k, j, c.D, INFINITY);
+        if (docs)
+          for (int64_t j : {0, 7, 39})
+            poison(p.v, j, c.Dv, INFINITY), poison(p.k, j, c.D, NAN);
+        PartialBuf dirty(c.Sq, c.Hq, c.Dv);
+        cpu::decode_forward(blk, dirty.out.data(), dirty.lse.data());
+        SCOPED_TRACE(c.str());
+        EXPECT_TRUE(same_bits(dirty.out, clean.out));
+        EXPECT_TRUE(same_bits(dirty.lse, clean.lse));
+        // Key 61 is seen by query 61 only.
+        poison(p.v, 61, c.Dv, NAN);
+        PartialBuf seen(c.Sq, c.Hq, c.Dv);
+        cpu::decode_forward(blk, seen.out.data(), seen.lse.data());
+        for (int64_t h = 0; h < c.Hq; ++h) {
+          EXPECT_TRUE(std::isnan(seen.out[size_t((1 * c.Hq + h) * c.Dv)]));
+          EXPECT_EQ(seen.out[size_t((0 * c.Hq + h) * c.Dv)], clean.out[size_t(h * c.Dv)]);
+        }
       }
     }
   }

@@ -26,8 +26,9 @@ namespace {
 
 constexpr int64_t kChunk = 64;           // keys per softmax step
 constexpr int64_t kMinSplitKeys = 1024;  // keys a split gets at least (its merge is not free)
-// fp32 rows from which the chunk's scores and O += P V run as sgemm: with many rows (MLA's heads
-// share one latent cache) the vector loops are bound by FLOPs, not by the memory they read.
+// Rows from which the chunk's scores and O += P V run as sgemm: with many rows (MLA's heads share
+// one latent cache; longer query blocks) the vector loops are bound by FLOPs, not by the memory
+// they read, and a 16-bit chunk widened once serves all the rows.
 constexpr int64_t kGemmRows = 16;
 constexpr int64_t kGemmChunk = 512;  // keys per step there: the GEMMs pack the queries once a step
 
@@ -101,31 +102,49 @@ DATTN_DECODE_INLINE void axpy(float* o, float p, const float* v, int64_t n) {
 
 // s [rows, n] (+)= q [rows, d] k^T for the n keys of k (rows ldk apart), and
 // o [rows, dv] += p [rows, n] v for n value rows (ldv apart): sgemm, single-threaded here.
-// k and v are fp32 (void: the callers are templates over the storage type; only fp32 gets here).
-void gemm_abt(const float* q, int64_t ldq, int64_t rows, const void* k, int64_t ldk, int64_t n,
+void gemm_abt(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t n,
               int64_t d, float* s, int64_t lds, float beta) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(n), int(d), 1.f, q, int(ldq),
-              static_cast<const float*>(k), int(ldk), beta, s, int(lds));
+              k, int(ldk), beta, s, int(lds));
 }
-void gemm_ab(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v, int64_t ldv,
+void gemm_ab(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
              int64_t dv, float* o) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(dv), int(n), 1.f, p,
-              int(ldp), static_cast<const float*>(v), int(ldv), 1.f, o, int(dv));
+              int(ldp), v, int(ldv), 1.f, o, int(dv));
 }
 
 // Per-thread buffers, sized for one job's shape before the parallel region.
 struct Workspace {
-  std::vector<float> s, m, l, vbuf;
+  std::vector<float> s, m, l, vbuf, wide;  // wide: a GEMM chunk's rows widened (16-bit storage)
   std::vector<int64_t> kpos, kdoc, qdoc;
-  Workspace(int64_t rows_all, int64_t rows, int64_t dv)
-      : s(size_t(rows_all * kGemmChunk)),
-        m(size_t(rows_all)),
-        l(size_t(rows_all)),
-        vbuf(size_t(dv)),
+  explicit Workspace(const DecodeJob& p)
+      : s(size_t(p.heads_kv * p.rows * kGemmChunk)),
+        m(size_t(p.heads_kv * p.rows)),
+        l(size_t(p.heads_kv * p.rows)),
+        vbuf(size_t(p.dv)),
+        wide(p.rows >= kGemmRows && p.dtype != DType::f32
+                 ? size_t(kGemmChunk * std::max({p.d1, p.d2, p.dv}))
+                 : 0),
         kpos(size_t(kGemmChunk)),
         kdoc(size_t(kGemmChunk)),
-        qdoc(size_t(rows)) {}
+        qdoc(size_t(p.rows)) {}
 };
+
+// n rows of d values, `stride` elements apart, as an fp32 matrix with leading dimension *ld: the
+// rows themselves for fp32, else widened into ws.wide (a GEMM's operand, reused by all its rows).
+template <typename T>
+DATTN_DECODE_INLINE const float* rows_f32(const T* rows, int64_t stride, int64_t n, int64_t d,
+                                          Workspace& ws, int64_t* ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    *ld = stride;
+    return rows;
+  } else {
+    for (int64_t j = 0; j < n; ++j)
+      widen_row(rows + j * stride, ws.wide.data() + j * d, d);
+    *ld = d;
+    return ws.wide.data();
+  }
+}
 
 // Whether x[0..n) holds a NaN.
 bool has_nan(const float* x, int64_t n) {
@@ -155,8 +174,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
   const auto [qlo_it, qhi_it] = std::minmax_element(p.q_pos, p.q_pos + R);
   const int64_t qlo = *qlo_it, qhi = *qhi_it;
   float* s = ws.s.data();
-  bool gemm = false;
-  if constexpr (std::is_same_v<T, float>) gemm = R >= kGemmRows;
+  const bool gemm = R >= kGemmRows;
   const int64_t chunk = gemm ? kGemmChunk : kChunk, lds = chunk;
 
   for (int64_t c0 = j_begin; c0 < j_end; c0 += chunk) {
@@ -172,10 +190,13 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       for (int64_t h = 0; h < p.heads_kv; ++h) {
         const float* qh = p.q + h * R * dq;
         float* sh = s + h * R * lds;
-        gemm_abt(qh, dq, R, k1 + c0 * p.k1_key + h * p.k1_head, p.k1_key, n, p.d1, sh, lds, 0.f);
-        if (p.d2 > 0)
-          gemm_abt(qh + p.d1, dq, R, k2 + c0 * p.k2_key + h * p.k2_head, p.k2_key, n, p.d2, sh, lds,
-                   1.f);
+        int64_t ld;
+        const float* kf = rows_f32(k1 + c0 * p.k1_key + h * p.k1_head, p.k1_key, n, p.d1, ws, &ld);
+        gemm_abt(qh, dq, R, kf, ld, n, p.d1, sh, lds, 0.f);
+        if (p.d2 > 0) {
+          kf = rows_f32(k2 + c0 * p.k2_key + h * p.k2_head, p.k2_key, n, p.d2, ws, &ld);
+          gemm_abt(qh + p.d1, dq, R, kf, ld, n, p.d2, sh, lds, 1.f);
+        }
       }
     }
     for (int64_t jj = 0; jj < n && !gemm; ++jj) {
@@ -232,9 +253,11 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
     // skipping it keeps a NaN or inf in a hidden value row out of the rows that do not see it
     // (so the GEMM, which would multiply it by zero, runs on fully visible chunks only).
     if (gemm && !partial) {
-      for (int64_t h = 0; h < p.heads_kv; ++h)
-        gemm_ab(s + h * R * lds, lds, R, n, v + c0 * p.v_key + h * p.v_head, p.v_key, dv,
-                o + h * R * dv);
+      for (int64_t h = 0; h < p.heads_kv; ++h) {
+        int64_t ld;
+        const float* vf = rows_f32(v + c0 * p.v_key + h * p.v_head, p.v_key, n, dv, ws, &ld);
+        gemm_ab(s + h * R * lds, lds, R, n, vf, ld, dv, o + h * R * dv);
+      }
       continue;
     }
     for (int64_t jj = 0; jj < n; ++jj) {
@@ -315,10 +338,6 @@ std::vector<float> buffer(size_t n, const char* what) {
 
 }  // namespace
 
-bool decode_kernel_wins(int64_t q_len, int64_t group) {
-  return q_len <= 16 && q_len * group <= 64;
-}
-
 int64_t decode_splits(int64_t jobs, int64_t n_keys) {
   const int64_t threads = omp_get_max_threads();
   if (threads <= 1 || jobs <= 0) return 1;
@@ -338,7 +357,7 @@ void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, floa
   try {
     workspaces.reserve(size_t(omp_get_max_threads()));
     for (int t = 0; t < omp_get_max_threads(); ++t)
-      workspaces.emplace_back(HR, p0.rows, dv);
+      workspaces.emplace_back(p0);
   } catch (const std::bad_alloc&) {
     DATTN_THROW_KIND(ErrorKind::out_of_memory,
                      "out of host memory allocating the decode workspace");

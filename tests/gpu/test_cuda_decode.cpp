@@ -394,40 +394,24 @@ TEST(CudaDecodeDeterminism, TwoRunsAreBitIdentical) {
 // Bad fields throw dattn::Error naming them, before anything is launched.
 TEST(CudaDecodeValidation, BadFieldsThrowNamingThem) {
   DecodeProblem p({"bad", 1, 17, 10, 4, 2, 64, 0, Mask::none()}, DType::bf16, 11);
-  auto expect_throw = [&](cuda::AttentionBlock b, const std::string& field) {
+  // One query row, then the field spoiled.
+  auto expect_throw = [&](void (*spoil)(cuda::AttentionBlock&), const std::string& field) {
+    cuda::AttentionBlock b = p.block();
+    b.q_len = 1;
+    spoil(b);
     EXPECT_TRUE(test::throws_naming(
         [&] { cuda::decode_forward(b, p.out->get<float>(), p.lse->get<float>(), nullptr); },
         {field}));
   };
-  expect_throw(p.block(), "q_len");  // 17 rows: above kMaxDecodeQueryRows
-  cuda::AttentionBlock b = p.block();
-  b.q_len = 1;
-  b.dtype = DType::f32;
-  expect_throw(b, "dtype");
-  b = p.block();
-  b.q_len = 1;
-  b.head_dim = 300;
-  expect_throw(b, "head_dim");
-  b = p.block();
-  b.q_len = 1;
-  b.head_dim_v = 257;
-  expect_throw(b, "head_dim_v");
-  b = p.block();
-  b.q_len = 1;
-  b.heads_kv = 3;
-  expect_throw(b, "heads_q");
-  b = p.block();
-  b.q_len = 1;
-  b.num_docs = 2;
-  expect_throw(b, "cu_seqlens");
-  b = p.block();
-  b.q_len = 1;
-  b.k_pos_block = 0;
-  expect_throw(b, "k_pos_block");
-  b = p.block();
-  b.q_len = 1;
-  b.scale = NAN;
-  expect_throw(b, "scale");
+  using B = cuda::AttentionBlock;
+  expect_throw([](B& b) { b.q_len = 17; }, "q_len");  // above kMaxDecodeQueryRows
+  expect_throw([](B& b) { b.dtype = DType::f32; }, "dtype");
+  expect_throw([](B& b) { b.head_dim = 300; }, "head_dim");
+  expect_throw([](B& b) { b.head_dim_v = 257; }, "head_dim_v");
+  expect_throw([](B& b) { b.heads_kv = 3; }, "heads_q");
+  expect_throw([](B& b) { b.num_docs = 2; }, "cu_seqlens");
+  expect_throw([](B& b) { b.k_pos_block = 0; }, "k_pos_block");
+  expect_throw([](B& b) { b.scale = NAN; }, "scale");
   p.pull();
   for (float l : p.h_lse)
     ASSERT_EQ(l, -INFINITY) << "nothing was launched";

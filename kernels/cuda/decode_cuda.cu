@@ -31,8 +31,9 @@ using detail::row_position;
 
 // ---------------------------------------------------------------- shapes
 // 4 warps. Scores: lane j takes key j of a 32-key tile, warp w the rows w, w + 4, ..; values:
-// thread t adds 8 columns (t % (Dv/8)) of the rows t / (Dv/8) + k (kThreads / (Dv/8)), so that a
-// K or V chunk read from shared memory serves every row a thread holds.
+// thread t adds 8 columns (t % (Dv/8)) of the rows t / (Dv/8) + k ceil(rows / 4), up to 4 rows,
+// so that a V chunk read from shared memory and widened serves as many rows as it can (the
+// widening costs as much as the FMAs of one row).
 constexpr int kThreads = 128, kWarps = kThreads / 32;
 constexpr int kTileKeys = 32;
 constexpr int kRows = int(kDecodeRowsPerCta);
@@ -44,7 +45,7 @@ static_assert(kRowsPerWarp * kWarps == kRows &&
               "every row has its threads in both phases");
 // The split size: about kCtasPerSm CTAs per multiprocessor in all, each split at least
 // kMinSplitKeys keys (a split's partial costs a merge; fewer keys would not pay for it).
-constexpr int64_t kCtasPerSm = 4;
+constexpr int kCtasPerSm = 4;  // also the registers' bound: 4 CTAs fit on a multiprocessor
 constexpr int64_t kMinSplitKeys = 256;
 constexpr float kLn2 = 0.69314718055994531f;
 
@@ -142,7 +143,7 @@ __device__ __forceinline__ void load_rows(uint16_t* dst, int ld, const uint16_t*
 // blockIdx.x / row_chunks, of kv head blockIdx.y, batch blockIdx.z. Tiles the mask hides from
 // every query are skipped; a split with none visible writes empty partials and reads nothing.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_split_kernel(const DecodeParams p) {
   DATTN_DYNAMIC_SHARED(int64_t, s_qpos);                      // [kRows] the rows' positions
   int64_t* s_qdoc = s_qpos + kRows;                           // [kRows] and documents
   float* s_alpha = reinterpret_cast<float*>(s_qdoc + kRows);  // [kRows] rescale; at the end 1/l
@@ -225,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
     m[k] = -INFINITY;
     l[k] = 0.f;
   }
-  // Values: this thread's columns of its rows vrow0 + vstep * k.
-  const int vchunks = p.dvp / 8, vstep = kThreads / vchunks;
+  // Values: this thread's columns of its rows vrow0 + vstep * k (vstep <= kThreads / vchunks).
+  const int vchunks = p.dvp / 8, vstep = (nrows + kMaxRowsPerThread - 1) / kMaxRowsPerThread;
   const int vcol = (tid % vchunks) * 8, vrow0 = tid / vchunks;
   float acc[kMaxRowsPerThread][8];
 #pragma unroll
@@ -511,7 +512,7 @@ void decode_forward(const AttentionBlock& blk, float* out, float* lse, cudaStrea
   const int64_t keys = p.key_hi - p.key_lo;
   if (keys <= 0) return;  // the band hides every key: the partial stays as it is
   const int64_t others = p.batch * p.heads_kv * p.row_chunks;  // CTAs per split
-  const int64_t wanted = (kCtasPerSm * multiprocessors() + others - 1) / others;
+  const int64_t wanted = (int64_t(kCtasPerSm) * multiprocessors() + others - 1) / others;
   const int64_t splits =
       std::max<int64_t>(1, std::min(wanted, (keys + kMinSplitKeys - 1) / kMinSplitKeys));
   p.split_keys = ((keys + splits - 1) / splits + kTileKeys - 1) / kTileKeys * kTileKeys;

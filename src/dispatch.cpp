@@ -227,9 +227,10 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
   }
   cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
   for (const Run& qr : q_runs) {
+    const bool decode = cuda::decode_kernel_fits(qr.length);
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
-      if (cuda::decode_kernel_fits(qr.length))
+      if (decode)
         cuda::decode_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
       else
         cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);

@@ -44,7 +44,7 @@ static_assert(kRowsPerWarp * kWarps == kRows &&
                   kMaxRowsPerThread * (kThreads / int(kMaxHeadDim / 8)) >= kRows,
               "every row has its threads in both phases");
 // The split size: about kCtasPerSm CTAs per multiprocessor in all, each split at least
-// kMinSplitKeys keys (a split's partial costs a merge; fewer keys would not pay for it).
+// kMinSplitKeys keys (each split's partial is written, read back and merged once per row).
 constexpr int kCtasPerSm = 4;  // also the registers' bound: 4 CTAs fit on a multiprocessor
 constexpr int64_t kMinSplitKeys = 256;
 constexpr float kLn2 = 0.69314718055994531f;
@@ -485,11 +485,13 @@ void launch(const DecodeParams& p, cudaStream_t stream) {
 void decode_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream) {
   // ---------------------------------------------------------------- validation (host, first)
   DecodeParams p;
-  if (!detail::flash_params(blk, out, lse, &p)) return;
-  DATTN_CHECK_ARG(p.q_len <= kMaxDecodeQueryRows, "q_len", p.q_len,
+  const bool work = detail::flash_params(blk, out, lse, &p);
+  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;  // validated there
+  DATTN_CHECK_ARG(q_len <= kMaxDecodeQueryRows, "q_len", q_len,
                   dattn::detail::cat("at most ", kMaxDecodeQueryRows,
                                      " (the CUDA decode kernel's limit; longer blocks run on "
                                      "attention_forward)"));
+  if (!work) return;  // no batch, query or key rows: the partial stays as it is
   p.group = p.heads_q / p.heads_kv;
   p.rows = p.q_len * p.group;
   p.row_chunks = (p.rows + kRows - 1) / kRows;

@@ -404,7 +404,8 @@ TEST(CudaDecodeValidation, BadFieldsThrowNamingThem) {
         {field}));
   };
   using B = cuda::AttentionBlock;
-  expect_throw([](B& b) { b.q_len = 17; }, "q_len");  // above kMaxDecodeQueryRows
+  expect_throw([](B& b) { b.q_len = 17; }, "q_len");               // above kMaxDecodeQueryRows
+  expect_throw([](B& b) { b.q_len = 17, b.k_len = 0; }, "q_len");  // also with nothing to do
   expect_throw([](B& b) { b.dtype = DType::f32; }, "dtype");
   expect_throw([](B& b) { b.head_dim = 300; }, "head_dim");
   expect_throw([](B& b) { b.head_dim_v = 257; }, "head_dim_v");

@@ -446,6 +446,14 @@ int run(int argc, char** argv) {
   DATTN_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   char host[256] = "?";
   gethostname(host, sizeof host - 1);
+  // The decode kernel's scratch comes from the device's stream-ordered pool on every call. By
+  // default the pool hands freed memory back to the driver at every synchronisation (release
+  // threshold 0), and each timed iteration synchronises: the next call would map memory again.
+  // A decode loop keeps its memory; so does this benchmark.
+  cudaMemPool_t pool;
+  DATTN_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t keep = UINT64_MAX;
+  DATTN_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
 
   // ---------------------------------------------------------------- header
   std::printf("# dattn CUDA kernel benchmark, version %s\n", DATTN_VERSION);
@@ -456,6 +464,7 @@ int run(int argc, char** argv) {
                                  o.check_seq, " context ", o.context, " kernel ",
                                  dattn::cuda::kernel_variant(DType::bf16, o.head_dim, o.head_dim))
                   .c_str());
+  std::printf("# memory pool: release threshold UINT64_MAX (freed memory kept between calls)\n");
   std::printf("# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n#\n# Using devices\n", DATTN_WITH_CUDA,
               DATTN_WITH_NCCL);
   std::printf("#  Rank  0 Pid %6d on %10s device cuda:%d %s (sm_%d%d, %d SMs, %.0f GiB)\n#\n",

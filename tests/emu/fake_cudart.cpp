@@ -1,9 +1,8 @@
 // The CUDA runtime calls of the emulated tests (tests/emu), on host memory: "device" memory is
 // host memory, copies are memcpy, eight devices that are always there (one per rank of the
 // multi-rank tests, as on a GPU node) with four multiprocessors each, and the stream-ordered calls
-// are done at once. Linked
-// instead of libcudart, so that the kernels' own host code (validation, dispatch, scratch
-// allocation) runs unchanged against the emulation.
+// are done at once. Linked instead of libcudart, so that the kernels' own host code (validation,
+// dispatch, scratch allocation) runs unchanged against the emulation.
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>

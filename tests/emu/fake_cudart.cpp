@@ -1,8 +1,8 @@
 // The CUDA runtime calls of the emulated tests (tests/emu), on host memory: "device" memory is
 // host memory, copies are memcpy, eight devices that are always there (one per rank of the
-// multi-rank tests, as on a GPU node) with four multiprocessors each, and the stream-ordered calls
-// are done at once. Linked instead of libcudart, so that the kernels' own host code (validation,
-// dispatch, scratch allocation) runs unchanged against the emulation.
+// multi-rank tests, as on a GPU node), and the stream-ordered calls are done at once. Linked
+// instead of libcudart, so that the kernels' own host code (validation, dispatch, scratch
+// allocation) runs unchanged against the emulation.
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
@@ -10,7 +10,6 @@
 
 namespace {
 constexpr int kDevices = 8;
-constexpr int kMultiprocessors = 4;
 int current_device = 0;
 
 void* allocate(size_t bytes) {
@@ -66,10 +65,10 @@ cudaError_t cudaSetDevice(int device) {
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
-  // Four multiprocessors: few enough that the decode kernel's splits (sized by them) stay large
-  // on the emulation, enough that a few thousand keys take several splits.
+  // Memory pools (cudaMallocAsync) and a few SMs, so that kernels that size their grid by the
+  // SM count split their work as on a GPU.
   *value = attr == cudaDevAttrMemoryPoolsSupported  ? 1
-           : attr == cudaDevAttrMultiProcessorCount ? kMultiprocessors
+           : attr == cudaDevAttrMultiProcessorCount ? 4
                                                     : 0;
   return cudaSuccess;
 }

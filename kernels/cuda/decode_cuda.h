@@ -17,12 +17,14 @@ namespace dattn::cuda {
 // partial, lse is never +inf, GQA reads kv head h / (heads_q / heads_kv) without expanding K/V, a
 // NaN or inf in a K or V row reaches exactly the rows whose mask shows it.
 //
-// Flash-decoding: the key rows the mask can show are split into chunks sized to fill the GPU
+// Flash-decoding: the key rows the band can show are split into chunks sized to fill the GPU
 // (about four CTAs per multiprocessor, at least 256 keys each); the CTA of (chunk, kv head,
-// batch) streams its chunk once, in 16-byte loads, for every query row and every query head of
-// its GQA group (fp32 scores and accumulation, online softmax), skipping tiles the mask hides,
-// and writes one partial per row to scratch allocated on `stream` (cudaMallocAsync). A second
-// kernel merges each row's partials in chunk order (the same bits on every run) into out / lse.
+// batch) streams its chunk once (16-byte cp.async where the head dims are multiples of 8 and the
+// tensors 16-byte aligned, element loads otherwise) for every query row and every query head of
+// its GQA group, up to kDecodeRowsPerCta such rows (more: one CTA per kDecodeRowsPerCta of them),
+// with fp32 scores and accumulation and an online softmax, skipping tiles the mask hides. Each
+// writes one partial per row to scratch allocated on `stream` (cudaMallocAsync); a second kernel
+// merges each row's partials in chunk order (the same bits on every run) into out / lse.
 // Asynchronous: returns after the launches.
 void decode_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream);
 

@@ -16,6 +16,7 @@
 #include "src/base/error.h"
 #if DATTN_WITH_CUDA
 #include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/decode_cuda.h"
 #include "kernels/cuda/mla_decode_cuda.h"
 #include "src/base/cuda_check.h"
 #endif
@@ -210,7 +211,9 @@ void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
 
 #if DATTN_WITH_CUDA
 // attend_runs on a GPU, on the legacy default stream (the header says why). A kernel queued after
-// Communicator::start() overlaps the messages of its own step (src/strategies/ring.cpp).
+// Communicator::start() overlaps the messages of its own step (src/strategies/ring.cpp). A run of
+// few query rows (a decode step, star's phase 2) goes to the split-KV decode kernel, which fills
+// the GPU over the keys; longer runs to the forward, whose grid is over query tiles.
 void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                       int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                       Partial& res) {
@@ -225,9 +228,13 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
   }
   cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
   for (const Run& qr : q_runs) {
+    const bool decode = cuda::decode_kernel_fits(qr.length);
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
-      cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+      if (decode)
+        cuda::decode_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+      else
+        cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
     }
   }
   // The kernels read cu_seqlens until they finish; its storage is freed on return, in the order

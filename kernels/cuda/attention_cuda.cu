@@ -93,8 +93,7 @@ std::string kernel_variant(DType dtype, int64_t head_dim, int64_t head_dim_v) {
   return s;
 }
 
-void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream) {
-  // ---------------------------------------------------------------- validation (host, first)
+bool detail::flash_params(const AttentionBlock& blk, float* out, float* lse, FlashParams* p) {
   DATTN_CHECK_ARG(attention_dtype_supported(blk.dtype), "dtype", dtype_name(blk.dtype),
                   "bf16 or fp16 (the CUDA kernel's storage types)");
   DATTN_CHECK_ARG(blk.batch >= 0 && blk.batch <= kMaxGridYZ, "batch", blk.batch,
@@ -131,29 +130,31 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaSt
       blk.num_docs == 0 || blk.cu_seqlens != nullptr, "cu_seqlens", "null",
       dattn::detail::cat("a device array of num_docs + 1 (", blk.num_docs + 1, ") entries"));
   DATTN_CHECK_ARG(std::isfinite(blk.scale), "scale", blk.scale, "a finite value");
-  if (blk.batch == 0 || q_len <= 0 || k_len <= 0) return;  // nothing to attend: unchanged
+  if (blk.batch == 0 || q_len <= 0 || k_len <= 0) return false;  // nothing to attend: unchanged
   DATTN_CHECK_ARG(blk.q != nullptr, "q", "null", "a device pointer");
   DATTN_CHECK_ARG(blk.k != nullptr, "k", "null", "a device pointer");
   DATTN_CHECK_ARG(blk.v != nullptr, "v", "null", "a device pointer");
   DATTN_CHECK_ARG(out != nullptr, "out", "null", "a device pointer");
   DATTN_CHECK_ARG(lse != nullptr, "lse", "null", "a device pointer");
-  const int64_t q_tiles = (q_len + 63) / 64;  // the smaller CTA tile (64 rows, D > 128)
-  DATTN_CHECK_ARG(q_tiles <= 0x7fffffff, "q_len", q_len, "fewer than 2^31 query tiles");
-
-  // ---------------------------------------------------------------- launch
-  detail::FlashParams p;
-  static_cast<AttentionBlock&>(p) = blk;
-  p.q_len = q_len;
-  p.k_len = k_len;
-  p.cu_seqlens = blk.num_docs > 0 ? blk.cu_seqlens : nullptr;
-  p.out = out;
-  p.lse = lse;
-  p.scale_log2 = float(double(blk.scale) * 1.4426950408889634);  // exp(x) = exp2(x log2 e)
+  static_cast<AttentionBlock&>(*p) = blk;
+  p->q_len = q_len;
+  p->k_len = k_len;
+  p->cu_seqlens = blk.num_docs > 0 ? blk.cu_seqlens : nullptr;
+  p->out = out;
+  p->lse = lse;
+  p->scale_log2 = float(double(blk.scale) * 1.4426950408889634);  // exp(x) = exp2(x log2 e)
   // 16-byte cp.async needs every row start 16-byte aligned: dims multiples of 8 elements and
   // aligned bases (cudaMalloc's are). Otherwise the kernel loads element by element.
-  p.vec_loads = blk.head_dim % 8 == 0 && blk.head_dim_v % 8 == 0 && aligned16(blk.q) &&
-                aligned16(blk.k) && aligned16(blk.v);
+  p->vec_loads = blk.head_dim % 8 == 0 && blk.head_dim_v % 8 == 0 && aligned16(blk.q) &&
+                 aligned16(blk.k) && aligned16(blk.v);
+  return true;
+}
 
+void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream) {
+  detail::FlashParams p;  // validated first: nothing is launched unless every field is valid
+  if (!detail::flash_params(blk, out, lse, &p)) return;
+  const int64_t q_tiles = (p.q_len + 63) / 64;  // the smaller CTA tile (64 rows, D > 128)
+  DATTN_CHECK_ARG(q_tiles <= 0x7fffffff, "q_len", p.q_len, "fewer than 2^31 query tiles");
   const Variant v = pick_variant(blk.head_dim, blk.head_dim_v);
   if (blk.dtype == DType::bf16)
     dispatch<__nv_bfloat16>(p, v, stream);

@@ -1,6 +1,7 @@
 // The CUDA attention forward: a flash-attention-2 style kernel of our own (one CTA per query
 // tile x head x batch, online softmax in fp32, tensor-core MMA, K/V tiles double-buffered in
-// shared memory with cp.async). Included only by the flash_fwd_*.cu instantiation files.
+// shared memory with cp.async). Included by the flash_fwd_*.cu instantiation files, and by
+// decode_cuda.cu for the position, mask and load helpers.
 #pragma once
 
 #include <cuda_bf16.h>

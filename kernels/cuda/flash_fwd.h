@@ -23,6 +23,11 @@ struct FlashParams : AttentionBlock {
   bool vec_loads = false;  // 16-byte cp.async loads allowed (dims % 8 == 0, 16-byte aligned)
 };
 
+// Validates every field of blk and the output pointers (dattn::Error naming the first bad one) and
+// fills *p from them; false when there is nothing to attend (no batch, query or key rows), which
+// leaves the partial unchanged. The forward and the decode kernel (decode_cuda.cu) share it.
+bool flash_params(const AttentionBlock& blk, float* out, float* lse, FlashParams* p);
+
 // Launches the forward for one (element type, padded D, padded Dv) instantiation.
 // T is __nv_bfloat16 or __half (declared, not defined, here so that g++ can include this file).
 template <typename T, int kD, int kDv>

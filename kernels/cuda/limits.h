@@ -1,7 +1,8 @@
-// What the CUDA kernels run, stated once: storage dtypes, head dims, grid limits and the MLA
-// decode kernel's per-rank columns. The kernels validate their arguments against these values, and
-// the dispatch layer (src/dispatch.h) checks a call against them before any data moves. Host-only
-// and CUDA-free: the host compiler includes it in every build.
+// What the CUDA kernels run, stated once: storage dtypes, head dims, grid limits, the decode
+// kernel's query rows and the MLA decode kernel's per-rank columns. The kernels validate their
+// arguments against these values, and the dispatch layer (src/dispatch.h) checks a call against
+// them before any data moves. Host-only and CUDA-free: the host compiler includes it in every
+// build.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,16 @@ inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
 inline bool attention_dtype_supported(DType d) {
   return d == DType::bf16 || d == DType::f16;
+}
+
+// The split-KV decode (decode_cuda.h): at most this many query rows per block (each of its CTAs
+// holds kDecodeRowsPerCta rows of query x head of a GQA group, fp32, in shared memory and
+// registers); head dims as the forward's. The dispatch runs it for every block of 1 to
+// kMaxDecodeQueryRows query rows (decode_kernel_fits), the forward for longer ones.
+inline constexpr int64_t kMaxDecodeQueryRows = 16;
+inline constexpr int64_t kDecodeRowsPerCta = 16;
+inline bool decode_kernel_fits(int64_t q_len) {
+  return q_len >= 1 && q_len <= kMaxDecodeQueryRows;
 }
 
 // The MLA decode (mla_decode_cuda.h): each lane of a warp holds latent / 32 columns in registers,

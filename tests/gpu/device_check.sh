@@ -2,8 +2,10 @@
 # The GPU backend's check on a machine with a GPU (the device tool's H200, or any CUDA machine):
 # configure and build for sm_90, run every GPU test for real (DATTN_GPU_TESTS_REQUIRED=1: "no GPU"
 # is a failure here, not a skip), run dattn-cuda-kernel-bench (our forward against cuBLAS's bf16
-# GEMM in the same run) and, where a python3 with torch is there, torch's SDPA on the same inputs;
-# write a summary and JSON under $OUT. Sized to finish within 8 minutes on a 16-core machine.
+# GEMM, and the split-KV decode's bandwidth at context 262144 against the device's copy
+# bandwidth, each in the same run) and, where a python3 with torch is there, torch's SDPA on the
+# same inputs; write a summary and JSON under $OUT. Sized to finish within 8 minutes on a 16-core
+# machine.
 #
 # MPI, Boost and a BLAS may be absent there (a bare GPU image): then CMake builds the core only
 # (DATTN_CORE_ONLY: tensors, reference, data movement, CUDA kernels, GPU tests, the kernel
@@ -104,7 +106,8 @@ fi
 seq=${DATTN_DEVICE_SEQ:-16384}
 bench=$build/bin/dattn-cuda-kernel-bench
 if ((build_ok)) && [[ -x $bench ]]; then
-  step "kernel bench" 120 "$bench" -s "$seq" -H 16 -d 128 --json "$out/kernel_bench.json" ||
+  step "kernel bench" 120 "$bench" -s "$seq" -H 16 -d 128 -x 262144 \
+    --json "$out/kernel_bench.json" ||
     failed+=(bench)
   sed -n '/^======== kernel bench/,$p' "$log" | grep -E "^ |^# " |
     sed 's/^/device check: bench: /' | tee -a "$summary"

@@ -39,7 +39,7 @@ target=0
    "2 1 262144 8 8 128 1" ]] && target=1
 awk -v d="$dattn_ms" -v p="$peer_ms" -v t="$target" 'BEGIN {
   r = p / d
-  printf "# dattn tree %.3f ms, torch peer %.3f ms per step: dattn %.2fx faster", d, p, r
-  printf " (target at 2 ranks x 1 thread, -x 262144 -H 8 -G 8 -d 128 fp32: >= 2x"
+  printf "# dattn tree %.3f ms, torch peer %.3f ms per step: peer/dattn %.2f", d, p, r
+  printf " (target at 2 ranks x 1 thread, -x 262144 -H 8 -G 8 -d 128 fp32: >= 2"
   print t ? (r >= 2 ? "): met" : "): NOT met") : "; this run is not the target)"
 }'

@@ -13,7 +13,8 @@
 // off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
 //
 // The flow of one run (rank 0 prints, every rank computes):
-//   header ("dattn <name> benchmark" and Workload::config_lines), then for each Case of cases():
+//   header ("dattn <name> benchmark" and Workload::config_lines; a warning when a rank has
+//   fewer CPUs than OpenMP threads), then for each Case of cases():
 //   Workload::run returns its Rows; a case whose table differs from the previous one prints that
 //   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
 //   values" (#wrong of every row), "Avg TFLOP/s per rank|GPU" (rows with

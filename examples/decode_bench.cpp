@@ -115,11 +115,11 @@ class DecodeWorkload final : public Workload {
 
   // A GPU's table adds TFLOP/s (a CPU rank's decode is bound by memory and messages).
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
-    std::vector<report::Column> cols = {{"strategy", "", 10},  {"context", "(tokens)", 9},
-                                        {"mean", "(ms)", 10},  {"p50", "(ms)", 10},
-                                        {"p99", "(ms)", 10},   {"sent", "(KB/rank/step)", 14},
-                                        {"model", "(KB)", 11}, {"extra", "(MiB)", 10},
-                                        {"rss", "(MiB)", 9},   {"#wrong", "", 7}};
+    std::vector<report::Column> cols = {
+        {"strategy", "", 10},    {"context", "(tokens)", 9}, {"mean", "(ms)", 10},
+        {"p50", "(ms)", 10},     {"p99", "(ms)", 10},        {"sent", "(KB/rank/step)", 14},
+        {"model", "(KB)", 11},   {"extra", "(MiB)", 10},     {"rss", "(MiB)", 9},
+        {"kernel", "(GB/s)", 8}, {"#wrong", "", 7}};
     if (b.per_gpu()) cols.insert(cols.begin() + 5, {"TFLOP/s", "(per GPU)", 11});
     return {cols};
   }
@@ -210,9 +210,10 @@ class DecodeWorkload final : public Workload {
       if (!first_) first_ = got;
     }
     const auto f3 = [](double v) { return fixed(v, 3); };
+    if (t.kernel_gbs >= 0) row.extra.add("kernel_gbs", t.kernel_gbs);
     row.cells = {name,          std::to_string(context_), f3(t.step_mean_ms),   f3(t.p50_ms),
                  f3(t.p99_ms),  f3(t.sent_mb * 1e3),      f3(t.model_mb * 1e3), f3(extra),
-                 fixed(rss, 1), wrong_cell(row)};
+                 fixed(rss, 1), kernel_cell(t),           wrong_cell(row)};
     if (b.per_gpu()) row.cells.insert(row.cells.begin() + 5, f3(flops));
     timing_[strategy] = t;
     return {row};
@@ -235,9 +236,10 @@ class DecodeWorkload final : public Workload {
       if (!timing_.count(DecodeStrategy::tree) || !timing_.count(other)) continue;
       const Timing &t = timing_[DecodeStrategy::tree], &o = timing_[other];
       const double mean = o.step_mean_ms / t.step_mean_ms, p50 = o.p50_ms / t.p50_ms;
-      const double bytes = o.sent_mb / t.sent_mb;
+      const double bytes = o.sent_mb / t.sent_mb;  // 0/0 on one rank: nan, printed n/a
       b.note(cat("tree vs ", strategy_name(other), ": latency ", fixed(mean, 1),
-                 "x faster (mean; p50 ", fixed(p50, 1), "x), bytes ", fixed(bytes, 1), "x fewer"));
+                 "x faster (mean; p50 ", fixed(p50, 1), "x), bytes ",
+                 o.sent_mb > 0 ? cat(fixed(bytes, 1), "x fewer") : "n/a (nothing sent)"));
       report::JsonObject j;
       j.add("latency_mean", mean).add("latency_p50", p50).add("bytes", bytes);
       top.add_raw(cat("tree_vs_", strategy_name(other)), j.str());
@@ -258,6 +260,30 @@ class DecodeWorkload final : public Workload {
     j.add("bytes_ratio_vs_ring", 100.0).add("this_run_is_target", target);
     if (target && met) j.add("met", *met);
     top.add_raw("target", j.str());
+
+    // The roofline: each strategy's local kernel against the read bandwidth; the target is on
+    // the lowest of them.
+    std::vector<std::pair<std::string, double>> kernels;
+    for (const auto& [s, t] : timing_)
+      kernels.push_back({strategy_name(s), t.kernel_gbs});
+    const std::vector<double> ratios = roofline_footer(b, kernels, top);
+    const double low = *std::min_element(ratios.begin(), ratios.end());
+    const bool roof_target = b.rt().size() == 1 && b.rt().threads() == 2 && context_ == 262144 &&
+                             shape_.dtype != DType::f16 && shape_.heads == 8 &&
+                             shape_.kv_heads == 2 && shape_.head_dim == 128 && new_tokens_ == 1 &&
+                             shape_.batch == 1;
+    b.note(cat("target: 1 rank x 2 threads, context 262144, fp32 or bf16, H=8, H_kv=2, D=128, ",
+               "S_q=1: every kernel >= 0.80 of the read bandwidth (floor 0.60)",
+               !roof_target ? " (this run is not the target configuration)"
+               : low < 0    ? " (no kernel time on this device)"
+               : low >= 0.8 ? ": met"
+               : low >= 0.6 ? ": NOT met (above the floor)"
+                            : ": NOT met (below the floor)"));
+    report::JsonObject jr;
+    jr.add("ranks", 1).add("threads", 2).add("context", int64_t(262144)).add("ratio", 0.8);
+    jr.add("floor", 0.6).add("this_run_is_target", roof_target);
+    if (roof_target && low >= 0) jr.add("met", low >= 0.8).add("above_floor", low >= 0.6);
+    top.add_raw("roofline_target", jr.str());
   }
 
   // Every rank's context and decoded tokens, heads and model bytes per step for each strategy, from

@@ -3,6 +3,7 @@
 #include "examples/engine.h"
 
 #include <mpi.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "launch/program.h"
 #include "launch/progress.h"
 #include "src/base/error.h"
+#include "src/dispatch.h"
 #include "src/layout.h"
 
 namespace dattn::bench {
@@ -66,6 +68,66 @@ double percentile(const std::vector<double>& sorted, double p) {
   const size_t n = sorted.size();
   const size_t k = std::clamp<size_t>(size_t(std::ceil(p / 100.0 * double(n))), 1, n);
   return sorted[k - 1];
+}
+
+double read_bandwidth_gbs(int node_ranks) {
+  // 16 independent float sums per thread (the compiler keeps them in vector registers; one sum
+  // would be bound by the latency of its adds, not by memory).
+  constexpr int64_t kLanes = 16;
+  const int64_t n = (int64_t(1) << 30) / int64_t(sizeof(float)) / kLanes / node_ranks * kLanes;
+  std::unique_ptr<float[]> buf(new float[size_t(n)]);
+  float* p = buf.get();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)  // the pages land near the threads that read them
+    p[i] = float(i & 7);
+  double best = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    DATTN_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    const double t0 = MPI_Wtime();
+    double total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+      float acc[kLanes] = {};
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < n / kLanes; ++c)
+        for (int64_t l = 0; l < kLanes; ++l)
+          acc[l] += p[c * kLanes + l];
+      for (float a : acc)
+        total += a;
+    }
+    const double s = MPI_Wtime() - t0;
+    if (total < 0) std::abort();  // the sum is used, so the loop stays
+    best = std::max(best, double(n) * sizeof(float) / s / 1e9);
+  }
+  int ranks = 1;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &ranks));
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &best, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  return best / ranks;
+}
+
+std::vector<double> roofline_footer(Bench& b,
+                                    const std::vector<std::pair<std::string, double>>& kernels,
+                                    report::JsonObject& top) {
+  const double read = read_bandwidth_gbs(b.rt().node().size());
+  std::vector<double> ratios;
+  std::vector<std::string> cells;
+  report::JsonObject j;
+  for (const auto& [name, gbs] : kernels) {
+    ratios.push_back(gbs < 0 ? -1 : gbs / read);
+    cells.push_back(cat(name, " ", gbs < 0 ? "n/a" : report::fixed(ratios.back(), 2)));
+    if (gbs >= 0) j.add(name, ratios.back());
+  }
+  if (b.root()) {
+    report::print_footer_line(
+        stdout, "Read bandwidth",
+        cat(report::fixed(read, 2), " GB/s per rank (", b.rt().threads(),
+            " threads: best of 3 sums over 1 GiB per node, every rank at once)"));
+    report::print_footer_line(
+        stdout, "Kernel / read",
+        cat(report::join(cells, ", "), " (the kernel column over the read bandwidth)"));
+  }
+  top.add("read_gbs", read).add_raw("kernel_over_read", j.str());
+  return ratios;
 }
 
 double peak_rss_mib() {
@@ -205,6 +267,10 @@ std::string wrong_cell(const Row& r) {
   return r.has_wrong() ? std::to_string(r.wrong()) : "N/A";
 }
 
+std::string kernel_cell(const Timing& t) {
+  return t.kernel_gbs >= 0 ? report::fixed(t.kernel_gbs, 2) : "n/a";
+}
+
 // ------------------------------------------------------------------ Bench
 
 Bench::Bench(Runtime& rt, const EngineOptions& opts) : rt_(rt), opts_(opts) {}
@@ -220,16 +286,19 @@ Timing Bench::time(const std::string& what, const TimedCall& c) {
   const int iters = c.iters >= 1 ? c.iters : opts_.iters;
   Progress progress(root(), what, warmup + iters, c.unit);
   std::vector<double> times;
-  double seconds = 0;
-  uint64_t sent_sum = 0, model_sum = 0, mismatches = 0;
+  double seconds = 0, kernel_s = 0;
+  uint64_t sent_sum = 0, model_sum = 0, mismatches = 0, kernel_bytes = 0;
   for (int i = 0; i < warmup + iters; ++i) {
     const bool timed = i >= warmup;
     if (c.prepare) c.prepare(i);
     rt_.reset_counters();
     rt_.world().barrier();
+    const KernelStats k0 = kernel_stats();
     const double t0 = MPI_Wtime();
     c.call();
     const double t = MPI_Wtime() - t0;
+    const KernelStats k1 = kernel_stats();
+    if (timed) kernel_s += k1.seconds - k0.seconds, kernel_bytes += k1.bytes - k0.bytes;
     if (c.model_bytes) {
       const ByteCounters counters = rt_.counters();
       const uint64_t sent = c.counted ? c.counted(counters) : counters.data_bytes();
@@ -253,6 +322,9 @@ Timing Bench::time(const std::string& what, const TimedCall& c) {
   r.p50_ms = percentile(times, 50) * 1e3;
   r.p99_ms = percentile(times, 99) * 1e3;
   r.best_ms = times.front() * 1e3;
+  double kernel[2] = {kernel_s, double(kernel_bytes)};
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, kernel, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  if (kernel[0] > 0) r.kernel_gbs = kernel[1] / kernel[0] / 1e9;
   if (c.model_bytes) {
     r.byte_checked = true;
     r.sent_mb = double(allreduce_max(sent_sum)) / iters / 1e6;
@@ -548,8 +620,19 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
                        p.d.warmup >= 0 ? cat(" warmup ", e.warmup) : "",
                        p.d.has_check ? cat(" check ", e.check) : "",
                        e.compare.empty() ? "" : " compare " + e.compare));
+  // Ranks whose OpenMP threads outnumber the CPUs they may run on (mpiexec binds each rank to
+  // one core when it starts at most 2): their threads take turns.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int ncpu = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  const uint64_t crowded = allreduce_sum(uint64_t(ncpu > 0 && rt.threads() > ncpu));
   if (b.root()) {
     report::print_header(stdout, cat("dattn ", entry.name, " benchmark"), config, ranks);
+    if (crowded > 0)
+      std::printf(
+          "# warning: %llu rank(s) may use fewer CPUs than their %d OpenMP threads, which "
+          "then take turns (mpiexec --bind-to none lets them spread)\n",
+          static_cast<unsigned long long>(crowded), rt.threads());
     std::fflush(stdout);
   }
   const std::vector<Row> rows = run_cases(w, b);

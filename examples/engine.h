@@ -13,7 +13,8 @@
 // off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
 //
 // The flow of one run (rank 0 prints, every rank computes):
-//   header ("dattn <name> benchmark" and Workload::config_lines), then for each Case of cases():
+//   header ("dattn <name> benchmark" and Workload::config_lines; a warning when a rank has
+//   fewer CPUs than OpenMP threads), then for each Case of cases():
 //   Workload::run returns its Rows; a case whose table differs from the previous one prints that
 //   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
 //   values" (#wrong of every row), "Avg TFLOP/s per rank|GPU" (rows with
@@ -237,6 +238,10 @@ struct Timing {
   double model_mb = 0;            // model_bytes per timed call, max over ranks
   uint64_t byte_mismatches = 0;   // (rank, call) pairs, warm-up included, counted != model
   bool byte_checked = false;      // model_bytes was given
+  // The K/V bytes the attention kernels streamed in the timed calls over the kernels' host time
+  // (src/dispatch.h's kernel_stats), both summed over ranks: GB/s (1e9 B) per rank; < 0 when
+  // no kernel time was counted (GPU kernels are not host-timed).
+  double kernel_gbs = -1;
 };
 
 // ------------------------------------------------------------------ rows
@@ -267,6 +272,8 @@ struct Row {
 
 // The #wrong cell: the row's wrong(), or "N/A" when !has_wrong().
 std::string wrong_cell(const Row& r);
+// The kernel bandwidth cell: t.kernel_gbs with 2 digits, or "n/a" when it is < 0.
+std::string kernel_cell(const Timing& t);
 
 // ------------------------------------------------------------------ the run's services
 
@@ -316,6 +323,16 @@ struct Spread {
 Spread spread(int n, const std::function<double(int)>& f);
 // Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
 double percentile(const std::vector<double>& sorted, double p);
+// A STREAM-style read bandwidth of this rank's OpenMP threads: the best of 3 sums over a buffer
+// the same threads wrote, 1 GiB / node_ranks (1 GiB per node: larger than a last-level cache),
+// every rank at once; GB/s (1e9 B), the mean over ranks. Collective.
+double read_bandwidth_gbs(int node_ranks);
+// The footer's roofline lines, measuring read_bandwidth_gbs: "Read bandwidth", then "Kernel /
+// read" with each (name, Timing::kernel_gbs) pair's ratio to it ("n/a" for one < 0). Returns the
+// ratios in order (< 0: n/a); adds "read_gbs" and "kernel_over_read" to top. Collective.
+std::vector<double> roofline_footer(Bench& b,
+                                    const std::vector<std::pair<std::string, double>>& kernels,
+                                    report::JsonObject& top);
 // Peak resident set of this process so far (ru_maxrss), in MiB.
 double peak_rss_mib();
 // The rank of this process in MPI_COMM_WORLD.

@@ -222,7 +222,7 @@ class Mla final : public Workload {
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
     std::vector<report::Column> cols = kMethodColumns;
     cols.insert(cols.end(), {{"sent", "(KB/rank/step)", 14}, {"model", "(KB)", 9}});
-    cols.insert(cols.end(), {{"mean", "(ms)", 9}, {"p50", "(ms)", 9}});
+    cols.insert(cols.end(), {{"mean", "(ms)", 9}, {"p50", "(ms)", 9}, {"kernel", "(GB/s)", 8}});
     for (const char* k : {"unif", "outl", "algn"})
       cols.insert(cols.end(), {{cat("err_", k), "(rel L2)", 9}, {cat("max_", k), "(abs)", 9}});
     cols.push_back({"#wrong", "", 6});
@@ -374,8 +374,9 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     row.byte_mismatches = res.byte_mismatches;
     const double sent_kb = res.t.sent_mb * 1e3, model_kb = res.t.model_mb * 1e3;
     row.cells = method_cells(m, cache, cache_ratio(m));
-    row.cells.insert(row.cells.end(), {fixed(sent_kb, 3), fixed(model_kb, 3),
-                                       fixed(res.t.step_mean_ms, 2), fixed(res.t.p50_ms, 2)});
+    row.cells.insert(row.cells.end(),
+                     {fixed(sent_kb, 3), fixed(model_kb, 3), fixed(res.t.step_mean_ms, 2),
+                      fixed(res.t.p50_ms, 2), kernel_cell(res.t)});
     for (const Accuracy& a : res.acc)
       row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
     row.cells.push_back(wrong_cell(row));
@@ -389,6 +390,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
     x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
     x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_numbers(res.t.step_ms));
+    if (res.t.kernel_gbs >= 0) x.add("kernel_gbs", res.t.kernel_gbs);
     for (int k = 0; k < int(std::size(kKinds)); ++k)
       x.add_raw(kKinds[k].key, res.acc[k].json());
     x.add("exact_wrong", int64_t(res.exact_wrong));
@@ -446,6 +448,10 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
   top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
   top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
   top.add("f64_wrong", int64_t(f64_wrong_));
+  std::vector<std::pair<std::string, double>> kernels;  // the latent decode of each method
+  for (size_t i = 0; i < std::size(kMethods); ++i)
+    kernels.push_back({kMethods[i].label, results_[i].t.kernel_gbs});
+  roofline_footer(b, kernels, top);
 }
 
 // --dry-run: what each rank would hold and send, from the models and the library's slicing

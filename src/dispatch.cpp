@@ -3,6 +3,8 @@
 // default stream. The one file of src/ that picks a kernel by the device.
 #include "src/dispatch.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <type_traits>
 
@@ -149,6 +151,58 @@ void unweigh_partial(Device device, float* out, float* lse, const float* packed,
 
 // ================================================================== kernels
 
+namespace {
+std::atomic<uint64_t> g_kernel_ns{0}, g_kernel_bytes{0}, g_kernel_calls{0};
+
+// One kernel call in kernel_stats(): its bytes and the call at construction, on a host device
+// the wall time until destruction (the end of the calling function's scope).
+class CountedCall {
+ public:
+  CountedCall(Device device, uint64_t bytes) : host_(device.is_cpu()) {
+    g_kernel_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    g_kernel_calls.fetch_add(1, std::memory_order_relaxed);
+    if (host_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~CountedCall() {
+    if (!host_) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - t0_);
+    g_kernel_ns.fetch_add(uint64_t(ns.count()), std::memory_order_relaxed);
+  }
+  CountedCall(const CountedCall&) = delete;
+  CountedCall& operator=(const CountedCall&) = delete;
+
+ private:
+  bool host_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// The K/V bytes attend_runs streams at least once (kernel_stats in the header).
+uint64_t run_bytes(const Tensor& q, const std::vector<Run>& q_runs, const std::vector<Run>& k_runs,
+                   const AttnSpec& spec) {
+  int64_t q_rows = 0, k_rows = 0;
+  for (const Run& r : q_runs)
+    q_rows += r.length;
+  for (const Run& r : k_runs)
+    k_rows += r.length;
+  if (q_rows == 0) return 0;
+  return uint64_t(k_rows * q.size(0) * spec.heads_kv * (spec.head_dim + spec.dim_v())) *
+         dtype_size(q.dtype());
+}
+}  // namespace
+
+KernelStats kernel_stats() {
+  return {double(g_kernel_ns.load(std::memory_order_relaxed)) * 1e-9,
+          g_kernel_bytes.load(std::memory_order_relaxed),
+          g_kernel_calls.load(std::memory_order_relaxed)};
+}
+
+void reset_kernel_stats() {
+  g_kernel_ns.store(0, std::memory_order_relaxed);
+  g_kernel_bytes.store(0, std::memory_order_relaxed);
+  g_kernel_calls.store(0, std::memory_order_relaxed);
+}
+
 void clear_partial(Partial& p) {
   if (p.out.device().is_cpu()) {
     clear_partial(p.out.ptr<float>(), p.lse.ptr<float>(), p.out.size(0), p.out.size(1),
@@ -252,6 +306,7 @@ void require_host(const Tensor& t, const char* name, const char* what) {
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                  int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                  Partial& res) {
+  const CountedCall counted(q.device(), run_bytes(q, q_runs, k_runs, spec));
   if (!q.device().is_cpu()) {
 #if DATTN_WITH_CUDA
     attend_runs_cuda(q, q_runs, k, v, k_rows, k_runs, spec, res);
@@ -300,6 +355,7 @@ Tensor backward_delta(const Tensor& dout, const Tensor& out) {
 
 void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask& mask, float* out,
                          int64_t out_heads, int64_t out_h0, float* lse) {
+  const CountedCall counted(device, uint64_t(blk.batch * blk.seq_kv * (blk.nlat + blk.nrope)) * 4);
   if (device.is_cpu()) {
     cpu::mla_absorbed_decode(blk, mask, out, out_heads, out_h0, lse);
     return;

@@ -82,6 +82,21 @@ Partial empty_partial(const Tensor& q, const AttnSpec& spec);
 // Clears p (out = 0, lse = -inf) on its device.
 void clear_partial(Partial& p);
 
+// What the attention kernels of this process have done since the last reset_kernel_stats(): every
+// attend_runs and mla_absorbed_decode call adds one call and the K/V bytes it streams at least
+// once (attend_runs: the rows of its key runs x batch x heads_kv x (D + D_v) x the dtype's size,
+// none when its query runs are empty; mla_absorbed_decode: the slice's latent and RoPE cache rows,
+// batch x seq_kv x (nlat + nrope) x 4). A call on host tensors adds its wall time to seconds; one
+// on GPU tensors only queues work and adds no time (seconds covers the host calls alone). The
+// counters are atomic: calls from several threads are counted, a snapshot is not one instant.
+struct KernelStats {
+  double seconds = 0;
+  uint64_t bytes = 0;
+  uint64_t calls = 0;
+};
+KernelStats kernel_stats();
+void reset_kernel_stats();
+
 // The absorbed MLA decode step of one slice (kernels/mla_block.h) on `device`, every pointer
 // there: the CPU kernel (kernels/cpu/mla_cpu.h, any mask) or the CUDA one (a band mask only).
 void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask& mask, float* out,

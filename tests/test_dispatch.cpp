@@ -132,6 +132,51 @@ TEST(DispatchHost, MergePartialsIsMovementHost) {
   EXPECT_NE(std::memcmp(got_lse.data(), lse_a.data(), rows * 4), 0);  // it did merge
 }
 
+// kernel_stats: attend_runs adds the rows of its key runs x batch x heads_kv x (D + D_v) x the
+// dtype's size (a call with no query rows adds none), mla_absorbed_decode the slice's latent and
+// RoPE rows x batch x 4; every call is counted, host calls with their time.
+TEST(DispatchHost, KernelStatsCountTheStreamedBytes) {
+  const int64_t B = 2, S = 3, Hq = 4, Hkv = 2, D = 16, Dv = 8, k_rows = 20;
+  AttnSpec spec;
+  spec.heads_q = Hq, spec.heads_kv = Hkv, spec.head_dim = D, spec.head_dim_v = Dv;
+  const Tensor q = Tensor::zeros({B, S, Hq, D}, DType::bf16);
+  const Tensor k = Tensor::zeros({B, k_rows, Hkv, D}, DType::bf16);
+  const Tensor v = Tensor::zeros({B, k_rows, Hkv, Dv}, DType::bf16);
+  const std::vector<dattn::Run> q_runs = {{0, 100, 1, S, 1}};
+  const std::vector<dattn::Run> k_runs = {{0, 0, 1, 5, 1}, {9, 9, 1, 7, 1}};
+  Partial res = empty_partial(q, spec);
+  reset_kernel_stats();
+  attend_runs(q, q_runs, k.data(), v.data(), k_rows, k_runs, spec, res);
+  KernelStats st = kernel_stats();
+  EXPECT_EQ(st.calls, 1u);
+  EXPECT_EQ(st.bytes, uint64_t((5 + 7) * B * Hkv * (D + Dv) * 2));
+  EXPECT_GT(st.seconds, 0.0);
+  attend_runs(q, {}, k.data(), v.data(), k_rows, k_runs, spec, res);
+  EXPECT_EQ(kernel_stats().calls, 2u);
+  EXPECT_EQ(kernel_stats().bytes, st.bytes);
+
+  MlaAbsorbedBlock blk;
+  const std::vector<float> q_nope(2 * 4), q_pe(2 * 2), w_uk(2 * 4 * 8), w_uv(2 * 4 * 8);
+  const std::vector<float> c_kv(10 * 8), k_pe(10 * 2);
+  blk.q_nope = q_nope.data(), blk.q_pe = q_pe.data(), blk.w_uk = w_uk.data();
+  blk.w_uv = w_uv.data(), blk.c_kv = c_kv.data(), blk.k_pe = k_pe.data();
+  blk.batch = 1, blk.seq_q = 1, blk.seq_kv = 10, blk.heads_all = 2, blk.qk_nope = 4;
+  blk.rope_all = 2, blk.latent_all = 8, blk.v_head = 4, blk.nh = 2, blk.nlat = 8, blk.nrope = 2;
+  blk.q_pos0 = 9;
+  std::vector<float> out(2 * 4), lse(2);
+  reset_kernel_stats();
+  mla_absorbed_decode(Device::cpu(), blk, Mask::causal(), out.data(), 2, 0, lse.data());
+  st = kernel_stats();
+  EXPECT_EQ(st.calls, 1u);
+  EXPECT_EQ(st.bytes, uint64_t(10 * (8 + 2) * 4));
+  EXPECT_GT(st.seconds, 0.0);
+  reset_kernel_stats();
+  st = kernel_stats();
+  EXPECT_EQ(st.calls, 0u);
+  EXPECT_EQ(st.bytes, 0u);
+  EXPECT_EQ(st.seconds, 0.0);
+}
+
 TEST(DispatchHost, CudaKernelLimitsNameTheValue) {
   AttnSpec spec;
   spec.heads_q = 8;

@@ -240,7 +240,7 @@ TEST(DecodeKernel, EmptyKeyRangesLeaveThePartialUnchanged) {
 // ones; another document) change nothing, bit for bit; a NaN a query does see reaches it.
 TEST(DecodeKernel, HiddenNonFiniteRowsNeverReachTheOutput) {
   for (bool many_rows : {false, true}) {
-    for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       for (Mask m : {Mask::causal(), Mask::document({0, 40, 2000}, true)}) {
         DecodeCase c{2, 100, 4, 2, 64, 48, dt, m};
         if (many_rows) c.Hq = 32, c.Hkv = 2;  // 32 rows per kv head: the GEMM path
@@ -279,6 +279,35 @@ TEST(DecodeKernel, HiddenNonFiniteRowsNeverReachTheOutput) {
           EXPECT_EQ(seen.out[size_t((0 * c.Hq + h) * c.Dv)], clean.out[size_t(h * c.Dv)]);
         }
       }
+    }
+  }
+}
+
+// The 16-bit widening of value rows, exactly: one key (weight 1) gives out = its value row, so
+// every bit pattern class (subnormals, the largest normal, zeros, inf, NaN) must come out as
+// dattn::to_float converts it.
+TEST(DecodeKernel, WidensEverySixteenBitValueExactly) {
+  const uint16_t f16_bits[] = {0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0x7c00, 0x7e00, 0x8000,
+                               0x8001, 0xbc00, 0xfbff, 0xfc00, 0x3555, 0x0200, 0x1234, 0x4321};
+  const uint16_t bf16_bits[] = {0x0001, 0x007f, 0x0080, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0x8000,
+                                0x8001, 0xbf80, 0xff7f, 0xff80, 0x3eaa, 0x0040, 0x1234, 0x4321};
+  for (DType dt : {DType::f16, DType::bf16}) {
+    const uint16_t* bits = dt == DType::f16 ? f16_bits : bf16_bits;
+    DecodeCase c{1, 1, 1, 1, 16, 40, dt, Mask::causal()};
+    Problem p = make_problem(c, 3);
+    for (int64_t i = 0; i < c.Dv; ++i)  // 16-blocks and a tail of 8
+      std::memcpy(static_cast<char*>(p.v.data()) + 2 * i, &bits[i % 16], 2);
+    PartialBuf part(c.Sq, c.Hq, c.Dv);
+    cpu::decode_forward(make_block(p, c), part.out.data(), part.lse.data());
+    for (int64_t i = 0; i < c.Dv; ++i) {
+      const float want =
+          dt == DType::f16 ? to_float(f16{bits[i % 16]}) : to_float(bf16{bits[i % 16]});
+      SCOPED_TRACE(testing::Message()
+                   << dtype_name(dt) << " element " << i << " bits 0x" << std::hex << bits[i % 16]);
+      if (std::isnan(want))
+        EXPECT_TRUE(std::isnan(part.out[size_t(i)]));
+      else
+        EXPECT_EQ(part.out[size_t(i)], want);  // -0 comes out +0: the sum starts at 0
     }
   }
 }

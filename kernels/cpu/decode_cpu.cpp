@@ -6,12 +6,19 @@
 // CPU runs picked at load time.
 #include "kernels/cpu/decode_cpu.h"
 
+// The 32-byte vector helpers below pass AVX-sized values, which GCC warns would change the ABI of
+// the baseline build; they are always inlined, so no call ever passes one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 #include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -48,43 +55,212 @@ DATTN_DECODE_INLINE float widen(_Float16 x) {
   return float(x);
 }
 
+// Prefetches n elements from x on (every 64-byte line).
 template <typename T>
-DATTN_DECODE_INLINE float dot1(const float* q, const T* k, int64_t d) {
-  float a = 0.f;
-#pragma omp simd reduction(+ : a)
-  for (int64_t c = 0; c < d; ++c)
-    a += q[c] * widen(k[c]);
-  return a;
+DATTN_DECODE_INLINE void prefetch_rows(const T* x, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(x);
+  for (int64_t off = 0; off < n * int64_t(sizeof(T)); off += 64)
+    __builtin_prefetch(b + off);
 }
 
-// s[r * lds] (+)= q_r . k for the rows of q [rows, ldq]: four rows per pass over k, so that each
-// element of k is loaded and widened once per four rows.
+// Eight fp32 lanes (GCC's vector extensions: one AVX register on x86-64-v3/v4, two SSE ones on
+// the baseline), loaded from any storage type.
+typedef float V8 __attribute__((vector_size(32)));
+typedef uint16_t V8u16 __attribute__((vector_size(16)));
+typedef uint32_t V8u32 __attribute__((vector_size(32)));
+typedef _Float16 V8f16 __attribute__((vector_size(16)));
+DATTN_DECODE_INLINE V8 load8(const float* x) {
+  V8 v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+DATTN_DECODE_INLINE V8 load8(const Bf16Bits* x) {
+  V8u16 h;
+  std::memcpy(&h, x, sizeof(h));
+  return reinterpret_cast<V8>(__builtin_convertvector(h, V8u32) << 16);
+}
+DATTN_DECODE_INLINE V8 load8(const _Float16* x) {
+  V8f16 h;
+  std::memcpy(&h, x, sizeof(h));
+  return __builtin_convertvector(h, V8);
+}
+DATTN_DECODE_INLINE void store8(float* x, V8 v) {
+  std::memcpy(x, &v, sizeof(v));
+}
+DATTN_DECODE_INLINE float hsum(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// 16-bit values 16 at a time from one 32-byte load: each 32-bit word holds two, the even-indexed
+// one in its low half. For bf16, (word << 16) gives the even ones and (word & 0xffff0000) the odd
+// ones as fp32, two instructions for 16 values. The fp32 operands they meet are stored
+// de-interleaved to match (perm16).
+DATTN_DECODE_INLINE void load16_split(const Bf16Bits* x, V8* even, V8* odd) {
+  V8u32 w;
+  std::memcpy(&w, x, sizeof(w));
+  *even = reinterpret_cast<V8>(w << 16);
+  *odd = reinterpret_cast<V8>(w & 0xffff0000u);
+}
+
+// fp16 bits (the low 16 of each lane) as fp32, in integer and fp32 lanes: the exponent and
+// mantissa moved into place and rescaled by 2^112 (exact for normals and subnormals), inf and NaN
+// given the all-ones exponent, the sign put back.
+DATTN_DECODE_INLINE V8 half_to_float(V8u32 h) {
+  const V8u32 em = h & 0x7fffu;
+  const V8 f = reinterpret_cast<V8>(em << 13) * 0x1p112f;
+  const V8u32 bits = em >= 0x7c00u ? (em << 13) | 0x7f800000u : reinterpret_cast<V8u32>(f);
+  return reinterpret_cast<V8>(bits | ((h & 0x8000u) << 16));
+}
+DATTN_DECODE_INLINE void load16_split(const _Float16* x, V8* even, V8* odd) {
+  V8u32 w;
+  std::memcpy(&w, x, sizeof(w));
+  *even = half_to_float(w & 0xffffu);
+  *odd = half_to_float(w >> 16);
+}
+
+// x[0, n) with each whole block of 16 de-interleaved (even-indexed values first, then the odd;
+// `inverse` undoes it); a tail shorter than 16 stays in place.
+DATTN_DECODE_INLINE void perm16(float* x, int64_t n, bool inverse) {
+  for (int64_t b = 0; b + 16 <= n; b += 16) {
+    float t[16];
+    for (int i = 0; i < 8; ++i) {
+      if (inverse) {
+        t[2 * i] = x[b + i];
+        t[2 * i + 1] = x[b + 8 + i];
+      } else {
+        t[i] = x[b + 2 * i];
+        t[8 + i] = x[b + 2 * i + 1];
+      }
+    }
+    std::memcpy(x + b, t, sizeof(t));
+  }
+}
+
+// Whether the loops below read T 16 at a time with load16_split (their fp32 side in perm16 order):
+// the 16-bit types.
 template <typename T>
+inline constexpr bool kSplitLoads = !std::is_same_v<T, float>;
+
+// s[r * lds + kk] (+)= q_r . k_kk for NR rows of q [NR, ldq] and NK keys (key kk at
+// k + kk * kstride): NR x NK independent sums in registers, each key element loaded and widened
+// once for the NR rows.
+template <int NR, int NK, typename T>
+DATTN_DECODE_INLINE void dot_block(const float* q, int64_t ldq, const T* k, int64_t kstride,
+                                   int64_t d, float* s, int64_t lds, bool add) {
+  V8 acc[NR][NK] = {};
+  int64_t c = 0;
+  if constexpr (kSplitLoads<T>) {
+    for (; c + 16 <= d; c += 16) {
+      V8 ke[NK], ko[NK];
+#pragma GCC unroll 4
+      for (int kk = 0; kk < NK; ++kk)
+        load16_split(k + kk * kstride + c, &ke[kk], &ko[kk]);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const V8 qe = load8(q + r * ldq + c), qo = load8(q + r * ldq + c + 8);
+#pragma GCC unroll 4
+        for (int kk = 0; kk < NK; ++kk)
+          acc[r][kk] += qe * ke[kk] + qo * ko[kk];
+      }
+    }
+  }
+  for (; c + 8 <= d; c += 8) {
+    V8 kv[NK];
+#pragma GCC unroll 4
+    for (int kk = 0; kk < NK; ++kk)
+      kv[kk] = load8(k + kk * kstride + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const V8 qv = load8(q + r * ldq + c);
+#pragma GCC unroll 4
+      for (int kk = 0; kk < NK; ++kk)
+        acc[r][kk] += qv * kv[kk];
+    }
+  }
+  float tail[NR][NK] = {};
+  for (; c < d; ++c)
+    for (int kk = 0; kk < NK; ++kk) {
+      const float kc = widen(k[kk * kstride + c]);
+      for (int r = 0; r < NR; ++r)
+        tail[r][kk] += q[r * ldq + c] * kc;
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int kk = 0; kk < NK; ++kk) {
+      const float x = hsum(acc[r][kk]) + tail[r][kk];
+      float& dst = s[r * lds + kk];
+      dst = add ? dst + x : x;
+    }
+}
+
+// dot_block over all the rows of q [rows, ldq]: four at a time, then the rest.
+template <int NK, typename T>
 DATTN_DECODE_INLINE void score_rows(const float* q, int64_t ldq, int64_t rows, const T* k,
-                                    int64_t d, float* s, int64_t lds, bool add) {
+                                    int64_t kstride, int64_t d, float* s, int64_t lds, bool add) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float *q0 = q + r * ldq, *q1 = q0 + ldq, *q2 = q1 + ldq, *q3 = q2 + ldq;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t c = 0; c < d; ++c) {
-      const float kc = widen(k[c]);
-      a0 += q0[c] * kc;
-      a1 += q1[c] * kc;
-      a2 += q2[c] * kc;
-      a3 += q3[c] * kc;
-    }
-    float* sr = s + r * lds;
-    if (add) {
-      sr[0] += a0, sr[lds] += a1, sr[2 * lds] += a2, sr[3 * lds] += a3;
+  for (; r + 4 <= rows; r += 4)
+    dot_block<4, NK>(q + r * ldq, ldq, k, kstride, d, s + r * lds, lds, add);
+  switch (rows - r) {
+    case 3:
+      return dot_block<3, NK>(q + r * ldq, ldq, k, kstride, d, s + r * lds, lds, add);
+    case 2:
+      return dot_block<2, NK>(q + r * ldq, ldq, k, kstride, d, s + r * lds, lds, add);
+    case 1:
+      return dot_block<1, NK>(q + r * ldq, ldq, k, kstride, d, s + r * lds, lds, add);
+  }
+}
+
+// o [NR rows, ldo] columns [c, c + 8 NC) += sum over the n keys of p[r][jj] v_jj (p [NR, lds],
+// value row jj at v + jj * vstride): the NR x NC accumulators stay in registers over the keys,
+// so o is read and written once per chunk.
+template <int NR, int NC, typename T>
+DATTN_DECODE_INLINE void pv_block(const float* p, int64_t lds, int64_t n, const T* v,
+                                  int64_t vstride, float* o, int64_t ldo) {
+  V8 acc[NR][NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int cc = 0; cc < NC; ++cc)
+      acc[r][cc] = load8(o + r * ldo + 8 * cc);
+  for (int64_t jj = 0; jj < n; ++jj) {
+    V8 vv[NC];
+    if constexpr (kSplitLoads<T> && NC == 2) {
+      load16_split(v + jj * vstride, &vv[0], &vv[1]);
     } else {
-      sr[0] = a0, sr[lds] = a1, sr[2 * lds] = a2, sr[3 * lds] = a3;
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NC; ++cc)
+        vv[cc] = load8(v + jj * vstride + 8 * cc);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const float pr = p[r * lds + jj];
+#pragma GCC unroll 4
+      for (int cc = 0; cc < NC; ++cc)
+        acc[r][cc] += pr * vv[cc];
     }
   }
-  for (; r < rows; ++r) {
-    const float a = dot1(q + r * ldq, k, d);
-    s[r * lds] = add ? s[r * lds] + a : a;
-  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int cc = 0; cc < NC; ++cc)
+      store8(o + r * ldo + 8 * cc, acc[r][cc]);
+}
+
+// O [NR, dv] += P [NR, n] V [n, dv] of a fully visible chunk: 16 columns at a time, then 8, then
+// one by one.
+template <int NR, typename T>
+DATTN_DECODE_INLINE void pv_rows(const float* p, int64_t lds, int64_t n, const T* v,
+                                 int64_t vstride, int64_t dv, float* o, int64_t ldo) {
+  int64_t c = 0;
+  for (; c + 16 <= dv; c += 16)
+    pv_block<NR, 2>(p, lds, n, v + c, vstride, o + c, ldo);
+  for (; c + 8 <= dv; c += 8)
+    pv_block<NR, 1>(p, lds, n, v + c, vstride, o + c, ldo);
+  for (; c < dv; ++c)
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const float vc = widen(v[jj * vstride + c]);
+      for (int r = 0; r < NR; ++r)
+        o[r * ldo + c] += p[r * lds + jj] * vc;
+    }
 }
 
 template <typename T>
@@ -115,13 +291,15 @@ void gemm_ab(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* 
 
 // Per-thread buffers, sized for one job's shape before the parallel region.
 struct Workspace {
-  std::vector<float> s, m, l, vbuf, wide;  // wide: a GEMM chunk's rows widened (16-bit storage)
+  std::vector<float> s, m, l, vbuf, qperm;
+  std::vector<float> wide;  // a GEMM chunk's rows widened (16-bit storage)
   std::vector<int64_t> kpos, kdoc, qdoc;
   explicit Workspace(const DecodeJob& p)
       : s(size_t(p.heads_kv * p.rows * kGemmChunk)),
         m(size_t(p.heads_kv * p.rows)),
         l(size_t(p.heads_kv * p.rows)),
         vbuf(size_t(p.dv)),
+        qperm(p.dtype != DType::f32 ? size_t(p.heads_kv * p.rows * (p.d1 + p.d2)) : 0),
         wide(p.rows >= kGemmRows && p.dtype != DType::f32
                  ? size_t(kGemmChunk * std::max({p.d1, p.d2, p.dv}))
                  : 0),
@@ -169,6 +347,18 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
     return p.k_pos0 + (j / p.k_pos_block) * p.k_pos_stride + j % p.k_pos_block;
   };
   std::fill(o, o + HR * dv, 0.f);
+  // The vector loops' fp32 operands in perm16 order where they read T 16 at a time: the queries
+  // (a copy, each key part on its own), and o until the end.
+  const bool split_loads = kSplitLoads<T> && R < kGemmRows;
+  const float* q = p.q;
+  if (split_loads) {
+    std::copy(p.q, p.q + HR * dq, ws.qperm.begin());
+    for (int64_t t = 0; t < HR; ++t) {
+      perm16(ws.qperm.data() + t * dq, p.d1, false);
+      perm16(ws.qperm.data() + t * dq + p.d1, p.d2, false);
+    }
+    q = ws.qperm.data();
+  }
   std::fill(ws.m.begin(), ws.m.end(), -INFINITY);
   std::fill(ws.l.begin(), ws.l.end(), 0.f);
   const auto [qlo_it, qhi_it] = std::minmax_element(p.q_pos, p.q_pos + R);
@@ -199,14 +389,24 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
         }
       }
     }
-    for (int64_t jj = 0; jj < n && !gemm; ++jj) {
+    for (int64_t jj = 0; jj < n && !gemm; jj += 2) {  // two keys at a time
       const int64_t j = c0 + jj;
+      // Ask for this chunk's value rows and the next chunk's key rows while the scores are
+      // computed, so that the loops below do not wait on memory.
+      prefetch_rows(v + j * p.v_key, 2 * p.v_key);
+      if (j + chunk + 2 <= j_end) prefetch_rows(k1 + (j + chunk) * p.k1_key, 2 * p.k1_key);
       for (int64_t h = 0; h < p.heads_kv; ++h) {
-        const float* qh = p.q + h * R * dq;
+        const float* qh = q + h * R * dq;
         float* sh = s + h * R * lds + jj;
-        score_rows(qh, dq, R, k1 + j * p.k1_key + h * p.k1_head, p.d1, sh, lds, false);
-        if (p.d2 > 0)
-          score_rows(qh + p.d1, dq, R, k2 + j * p.k2_key + h * p.k2_head, p.d2, sh, lds, true);
+        const T* k1j = k1 + j * p.k1_key + h * p.k1_head;
+        const T* k2j = k2 + j * p.k2_key + h * p.k2_head;
+        if (jj + 1 < n) {
+          score_rows<2>(qh, dq, R, k1j, p.k1_key, p.d1, sh, lds, false);
+          if (p.d2 > 0) score_rows<2>(qh + p.d1, dq, R, k2j, p.k2_key, p.d2, sh, lds, true);
+        } else {
+          score_rows<1>(qh, dq, R, k1j, p.k1_key, p.d1, sh, lds, false);
+          if (p.d2 > 0) score_rows<1>(qh + p.d1, dq, R, k2j, p.k2_key, p.d2, sh, lds, true);
+        }
       }
     }
     if (partial) {  // hide what the mask hides, on global positions
@@ -260,6 +460,20 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       }
       continue;
     }
+    if (!partial) {  // four rows at a time, then the rest
+      for (int64_t h = 0; h < p.heads_kv; ++h) {
+        const T* vh = v + c0 * p.v_key + h * p.v_head;
+        const float* ph = s + h * R * lds;
+        float* oh = o + h * R * dv;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+          pv_rows<4>(ph + r * lds, lds, n, vh, p.v_key, dv, oh + r * dv, dv);
+        if (R - r == 3) pv_rows<3>(ph + r * lds, lds, n, vh, p.v_key, dv, oh + r * dv, dv);
+        if (R - r == 2) pv_rows<2>(ph + r * lds, lds, n, vh, p.v_key, dv, oh + r * dv, dv);
+        if (R - r == 1) pv_rows<1>(ph + r * lds, lds, n, vh, p.v_key, dv, oh + r * dv, dv);
+      }
+      continue;
+    }
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = c0 + jj;
       for (int64_t h = 0; h < p.heads_kv; ++h) {
@@ -269,6 +483,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
           vf = vrow;
         } else {
           widen_row(vrow, ws.vbuf.data(), dv);
+          if (split_loads) perm16(ws.vbuf.data(), dv, false);
           vf = ws.vbuf.data();
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -289,6 +504,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       continue;
     }
     scale_row(orow, dv, 1.f / l);
+    if (split_loads) perm16(orow, dv, true);
     lse[t] = ws.m[size_t(t)] + std::log(l);
   }
 }

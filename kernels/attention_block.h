@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "src/base/dtype.h"
+#include "src/base/error.h"
 
 namespace dattn {
 
@@ -27,6 +28,25 @@ struct BlockOfWork {
   int64_t q_begin = 0, q_len = -1, q_pos0 = 0, q_pos_stride = 1, q_pos_block = 1;
   int64_t k_begin = 0, k_len = -1, k_pos0 = 0, k_pos_stride = 1, k_pos_block = 1;
   float scale = 1.f;
+
+  // The block's row counts (q_len/k_len resolved) and the global position of its query row i and
+  // key row j.
+  int64_t q_rows() const { return q_len < 0 ? seq_q - q_begin : q_len; }
+  int64_t k_rows() const { return k_len < 0 ? seq_k - k_begin : k_len; }
+  int64_t q_position(int64_t i) const {
+    return q_pos0 + (i / q_pos_block) * q_pos_stride + i % q_pos_block;
+  }
+  int64_t k_position(int64_t j) const {
+    return k_pos0 + (j / k_pos_block) * k_pos_stride + j % k_pos_block;
+  }
+  // The shape invariants every kernel relies on (the entry points validated the user's values):
+  // an internal error when one fails.
+  void check() const {
+    DATTN_ASSERT(heads_kv > 0 && heads_q % heads_kv == 0 && head_dim > 0 && head_dim_v > 0);
+    DATTN_ASSERT(q_begin >= 0 && q_begin + q_rows() <= seq_q);
+    DATTN_ASSERT(k_begin >= 0 && k_begin + k_rows() <= seq_k);
+    DATTN_ASSERT(q_pos_block >= 1 && k_pos_block >= 1);
+  }
 };
 
 }  // namespace dattn

@@ -148,12 +148,8 @@ struct Problem {
   const float* delta;
   int64_t B, Hq, Hkv, D, Dv, group, q_len, k_len, q_tiles, k_tiles;
 
-  int64_t q_pos(int64_t i) const {  // i: row of the block
-    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
-  }
-  int64_t k_pos(int64_t j) const {
-    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
-  }
+  int64_t q_pos(int64_t i) const { return blk.q_position(i); }  // i: row of the block
+  int64_t k_pos(int64_t j) const { return blk.k_position(j); }
   // Query tile it: first block row and rows.
   int64_t q_row0(int64_t it) const { return it * kBwdTileQ; }
   int64_t q_rows(int64_t it) const { return std::min(kBwdTileQ, q_len - it * kBwdTileQ); }
@@ -441,12 +437,8 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
                         BackwardSchedule schedule) {
   const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
   const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
-  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
-  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
-  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
-  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
-  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
-  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
+  const int64_t q_len = blk.q_rows(), k_len = blk.k_rows();
+  blk.check();
   if (B == 0 || q_len <= 0 || k_len <= 0) return;
   const Problem pr{blk,
                    dout,

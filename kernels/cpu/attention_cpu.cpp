@@ -120,22 +120,14 @@ void add_pv_sanitised(const float* P, int64_t bq, int64_t bk, const float* V, in
 void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
   const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
-  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
-  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
-  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
-  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
-  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
+  const int64_t q_len = blk.q_rows(), k_len = blk.k_rows();
+  blk.check();
   if (B == 0 || q_len <= 0 || k_len <= 0) return;
   const int64_t group = Hq / Hkv;
   const int64_t q_tiles = (q_len + kTileQ - 1) / kTileQ;
   const Mask mask = blk.mask;
-  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
-  auto q_pos = [&](int64_t i) {  // i: row of the block
-    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
-  };
-  auto k_pos = [&](int64_t j) {
-    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
-  };
+  auto q_pos = [&](int64_t i) { return blk.q_position(i); };  // i: row of the block
+  auto k_pos = [&](int64_t j) { return blk.k_position(j); };
 
   // Whole block hidden by the mask: nothing to do (ring steps in the future land here).
   if (mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)

@@ -609,19 +609,11 @@ const char* decode_isa_name(DecodeIsa isa) {
 void decode_forward(const AttentionBlock& blk, float* out, float* lse, DecodeIsa isa) {
   const int64_t B = blk.batch, Hq = blk.heads_q, Hkv = blk.heads_kv;
   const int64_t D = blk.head_dim, Dv = blk.head_dim_v;
-  const int64_t q_len = blk.q_len < 0 ? blk.seq_q - blk.q_begin : blk.q_len;
-  const int64_t k_len = blk.k_len < 0 ? blk.seq_k - blk.k_begin : blk.k_len;
-  DATTN_ASSERT(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0);
-  DATTN_ASSERT(blk.q_begin >= 0 && blk.q_begin + q_len <= blk.seq_q);
-  DATTN_ASSERT(blk.k_begin >= 0 && blk.k_begin + k_len <= blk.seq_k);
-  DATTN_ASSERT(blk.q_pos_block >= 1 && blk.k_pos_block >= 1);
+  const int64_t q_len = blk.q_rows(), k_len = blk.k_rows();
+  blk.check();
   if (B == 0 || q_len <= 0 || k_len <= 0) return;
-  auto q_pos = [&](int64_t i) {
-    return blk.q_pos0 + (i / blk.q_pos_block) * blk.q_pos_stride + i % blk.q_pos_block;
-  };
-  auto k_pos = [&](int64_t j) {
-    return blk.k_pos0 + (j / blk.k_pos_block) * blk.k_pos_stride + j % blk.k_pos_block;
-  };
+  auto q_pos = [&](int64_t i) { return blk.q_position(i); };
+  auto k_pos = [&](int64_t j) { return blk.k_position(j); };
   if (blk.mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)
     return;
 

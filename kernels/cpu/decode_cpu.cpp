@@ -7,8 +7,8 @@
 #include "kernels/cpu/decode_cpu.h"
 
 // The 32-byte vector helpers below pass AVX-sized values, which GCC warns would change the ABI of
-// the baseline build; they are always inlined, so no call ever passes one.
-#if defined(__GNUC__) && !defined(__clang__)
+// the baseline build (GCC and clang alike); they are always inlined, so no call ever passes one.
+#if defined(__GNUC__)  // GCC and clang
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
@@ -45,14 +45,23 @@ constexpr int64_t kGemmChunk = 512;  // keys per step there: the GEMMs pack the 
 struct Bf16Bits {
   uint16_t bits;
 };
+struct F16Bits {
+  uint16_t bits;
+};
 DATTN_DECODE_INLINE float widen(float x) {
   return x;
 }
 DATTN_DECODE_INLINE float widen(Bf16Bits x) {
   return std::bit_cast<float>(uint32_t(x.bits) << 16);
 }
-DATTN_DECODE_INLINE float widen(_Float16 x) {
-  return float(x);
+// fp16 bits as fp32: the exponent and mantissa moved into place and rescaled by 2^112 (exact for
+// normals and subnormals), inf and NaN given the all-ones exponent, the sign put back. Integer and
+// fp32 arithmetic only (no F16C, no _Float16), so that every build and compiler has it.
+DATTN_DECODE_INLINE float widen(F16Bits x) {
+  const uint32_t h = x.bits, em = h & 0x7fffu;
+  const float f = std::bit_cast<float>(em << 13) * 0x1p112f;
+  const uint32_t bits = em >= 0x7c00u ? (em << 13) | 0x7f800000u : std::bit_cast<uint32_t>(f);
+  return std::bit_cast<float>(bits | ((h & 0x8000u) << 16));
 }
 
 // Prefetches n elements from x on (every 64-byte line).
@@ -68,7 +77,6 @@ DATTN_DECODE_INLINE void prefetch_rows(const T* x, int64_t n) {
 typedef float V8 __attribute__((vector_size(32)));
 typedef uint16_t V8u16 __attribute__((vector_size(16)));
 typedef uint32_t V8u32 __attribute__((vector_size(32)));
-typedef _Float16 V8f16 __attribute__((vector_size(16)));
 DATTN_DECODE_INLINE V8 load8(const float* x) {
   V8 v;
   std::memcpy(&v, x, sizeof(v));
@@ -79,10 +87,11 @@ DATTN_DECODE_INLINE V8 load8(const Bf16Bits* x) {
   std::memcpy(&h, x, sizeof(h));
   return reinterpret_cast<V8>(__builtin_convertvector(h, V8u32) << 16);
 }
-DATTN_DECODE_INLINE V8 load8(const _Float16* x) {
-  V8f16 h;
+V8 half_to_float(V8u32 h);
+DATTN_DECODE_INLINE V8 load8(const F16Bits* x) {
+  V8u16 h;
   std::memcpy(&h, x, sizeof(h));
-  return __builtin_convertvector(h, V8);
+  return half_to_float(__builtin_convertvector(h, V8u32));
 }
 DATTN_DECODE_INLINE void store8(float* x, V8 v) {
   std::memcpy(x, &v, sizeof(v));
@@ -102,16 +111,14 @@ DATTN_DECODE_INLINE void load16_split(const Bf16Bits* x, V8* even, V8* odd) {
   *odd = reinterpret_cast<V8>(w & 0xffff0000u);
 }
 
-// fp16 bits (the low 16 of each lane) as fp32, in integer and fp32 lanes: the exponent and
-// mantissa moved into place and rescaled by 2^112 (exact for normals and subnormals), inf and NaN
-// given the all-ones exponent, the sign put back.
+// widen(F16Bits) on eight lanes (the fp16 bits in the low 16 of each).
 DATTN_DECODE_INLINE V8 half_to_float(V8u32 h) {
   const V8u32 em = h & 0x7fffu;
   const V8 f = reinterpret_cast<V8>(em << 13) * 0x1p112f;
   const V8u32 bits = em >= 0x7c00u ? (em << 13) | 0x7f800000u : reinterpret_cast<V8u32>(f);
   return reinterpret_cast<V8>(bits | ((h & 0x8000u) << 16));
 }
-DATTN_DECODE_INLINE void load16_split(const _Float16* x, V8* even, V8* odd) {
+DATTN_DECODE_INLINE void load16_split(const F16Bits* x, V8* even, V8* odd) {
   V8u32 w;
   std::memcpy(&w, x, sizeof(w));
   *even = half_to_float(w & 0xffffu);
@@ -265,13 +272,11 @@ DATTN_DECODE_INLINE void pv_rows(const float* p, int64_t lds, int64_t n, const T
 
 template <typename T>
 DATTN_DECODE_INLINE void widen_row(const T* src, float* dst, int64_t n) {
-#pragma omp simd
   for (int64_t c = 0; c < n; ++c)
     dst[c] = widen(src[c]);
 }
 
 DATTN_DECODE_INLINE void axpy(float* o, float p, const float* v, int64_t n) {
-#pragma omp simd
   for (int64_t c = 0; c < n; ++c)
     o[c] += p * v[c];
 }
@@ -519,16 +524,25 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       case DType::bf16:                                                                   \
         return run_split<Bf16Bits>(p, j_begin, j_end, ws, o, lse);                        \
       case DType::f16:                                                                    \
-        return run_split<_Float16>(p, j_begin, j_end, ws, o, lse);                        \
+        return run_split<F16Bits>(p, j_begin, j_end, ws, o, lse);                         \
     }                                                                                     \
   }
 DATTN_DECODE_RUN_SPLIT(run_split_baseline, )
 #if defined(__x86_64__) && defined(__GNUC__)
 DATTN_DECODE_RUN_SPLIT(run_split_v3, __attribute__((target("arch=x86-64-v3"))))
 DATTN_DECODE_RUN_SPLIT(run_split_v4, __attribute__((target("arch=x86-64-v4"))))
-const DecodeIsa kBestIsa = __builtin_cpu_supports("x86-64-v4")   ? DecodeIsa::x86_64_v4
-                           : __builtin_cpu_supports("x86-64-v3") ? DecodeIsa::x86_64_v3
-                                                                 : DecodeIsa::baseline;
+// The levels' defining features that both GCC's and clang's __builtin_cpu_supports name (the
+// loops use nothing else of v3, F16C and MOVBE included).
+const DecodeIsa kBestIsa =
+    __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+            __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")
+        ? DecodeIsa::x86_64_v4
+    : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2")
+        ? DecodeIsa::x86_64_v3
+        : DecodeIsa::baseline;
 #else
 const DecodeIsa kBestIsa = DecodeIsa::baseline;
 #endif

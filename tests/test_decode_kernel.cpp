@@ -114,7 +114,7 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
   const int64_t ctxs[] = {1, 31, 1000, 65537};  // and 4097
   const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
   int cases = 0;
-  for (int i = 0; i < 60; ++i) {
+  for (int i = 0; i < 40; ++i) {
     DecodeCase c;
     c.Sq = sqs[i % 4];
     const int64_t group = groups[(i / 4) % 3];
@@ -124,7 +124,7 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
     c.Dv = dims[(i / 3) % 5][1];
     c.ctx = ctxs[(i / 2) % 4];
     c.dtype = dtypes[i % 3];
-    if (c.ctx == 65537 && (i / 8) % 4 != 0) c.ctx = 4097;  // 4 cases of 65537 keys, all dtypes
+    if (c.ctx == 65537 && (i / 8) % 4 != 0 && i != 23) c.ctx = 4097;  // 3 of 65537 keys, 3 dtypes
     if (c.ctx == 65537) c.Hq /= c.Hkv, c.Hkv = 1;
     if (c.ctx == 65537)
       c.Sq = 1, c.D = std::min<int64_t>(c.D, 64), c.Dv = std::min<int64_t>(c.Dv, 64);
@@ -148,18 +148,17 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
     EXPECT_TRUE(decode_matches(c, uint64_t(i) + 1));
     ++cases;
   }
-  EXPECT_EQ(cases, 60);
+  EXPECT_EQ(cases, 40);
 }
 
 // Blocks of many rows (up to the dispatch's limit, GQA 4: 256 rows per kv head) run the chunks'
 // GEMMs, 16-bit chunks widened once; partially masked chunks add P V row by row.
 TEST(DecodeKernel, ManyRowsRunTheGemmPath) {
-  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
-    for (Mask m : {Mask::causal(), Mask::document({0, 700, 1480, 3000}, true)}) {
-      DecodeCase c{cpu::kDecodeMaxQueryRows, 1500, 8, 2, 64, 48, dt, m};
-      SCOPED_TRACE(c.str());
-      EXPECT_TRUE(decode_matches(c, 41));
-    }
+  const Mask causal = Mask::causal(), docs = Mask::document({0, 700, 1480, 3000}, true);
+  for (auto [dt, m] : {std::pair{DType::f32, causal}, {DType::bf16, docs}, {DType::f16, causal}}) {
+    DecodeCase c{cpu::kDecodeMaxQueryRows, 1500, 8, 2, 64, 48, dt, m};
+    SCOPED_TRACE(c.str());
+    EXPECT_TRUE(decode_matches(c, 41));
   }
 }
 

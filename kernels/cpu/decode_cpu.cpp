@@ -41,23 +41,18 @@ constexpr int64_t kGemmChunk = 512;  // keys per step there: the GEMMs pack the 
 
 #define DATTN_DECODE_INLINE __attribute__((always_inline)) inline
 
-// The storage types, widened to fp32 where they are loaded.
-struct Bf16Bits {
-  uint16_t bits;
-};
-struct F16Bits {
-  uint16_t bits;
-};
+// The storage types (src/base/dtype.h: the bits of bf16 and f16), widened to fp32 where they are
+// loaded.
 DATTN_DECODE_INLINE float widen(float x) {
   return x;
 }
-DATTN_DECODE_INLINE float widen(Bf16Bits x) {
+DATTN_DECODE_INLINE float widen(bf16 x) {
   return std::bit_cast<float>(uint32_t(x.bits) << 16);
 }
 // fp16 bits as fp32: the exponent and mantissa moved into place and rescaled by 2^112 (exact for
 // normals and subnormals), inf and NaN given the all-ones exponent, the sign put back. Integer and
 // fp32 arithmetic only (no F16C, no _Float16), so that every build and compiler has it.
-DATTN_DECODE_INLINE float widen(F16Bits x) {
+DATTN_DECODE_INLINE float widen(f16 x) {
   const uint32_t h = x.bits, em = h & 0x7fffu;
   const float f = std::bit_cast<float>(em << 13) * 0x1p112f;
   const uint32_t bits = em >= 0x7c00u ? (em << 13) | 0x7f800000u : std::bit_cast<uint32_t>(f);
@@ -82,13 +77,13 @@ DATTN_DECODE_INLINE V8 load8(const float* x) {
   std::memcpy(&v, x, sizeof(v));
   return v;
 }
-DATTN_DECODE_INLINE V8 load8(const Bf16Bits* x) {
+DATTN_DECODE_INLINE V8 load8(const bf16* x) {
   V8u16 h;
   std::memcpy(&h, x, sizeof(h));
   return reinterpret_cast<V8>(__builtin_convertvector(h, V8u32) << 16);
 }
 V8 half_to_float(V8u32 h);
-DATTN_DECODE_INLINE V8 load8(const F16Bits* x) {
+DATTN_DECODE_INLINE V8 load8(const f16* x) {
   V8u16 h;
   std::memcpy(&h, x, sizeof(h));
   return half_to_float(__builtin_convertvector(h, V8u32));
@@ -104,21 +99,21 @@ DATTN_DECODE_INLINE float hsum(V8 v) {
 // one in its low half. For bf16, (word << 16) gives the even ones and (word & 0xffff0000) the odd
 // ones as fp32, two instructions for 16 values. The fp32 operands they meet are stored
 // de-interleaved to match (perm16).
-DATTN_DECODE_INLINE void load16_split(const Bf16Bits* x, V8* even, V8* odd) {
+DATTN_DECODE_INLINE void load16_split(const bf16* x, V8* even, V8* odd) {
   V8u32 w;
   std::memcpy(&w, x, sizeof(w));
   *even = reinterpret_cast<V8>(w << 16);
   *odd = reinterpret_cast<V8>(w & 0xffff0000u);
 }
 
-// widen(F16Bits) on eight lanes (the fp16 bits in the low 16 of each).
+// widen(f16) on eight lanes (the fp16 bits in the low 16 of each).
 DATTN_DECODE_INLINE V8 half_to_float(V8u32 h) {
   const V8u32 em = h & 0x7fffu;
   const V8 f = reinterpret_cast<V8>(em << 13) * 0x1p112f;
   const V8u32 bits = em >= 0x7c00u ? (em << 13) | 0x7f800000u : reinterpret_cast<V8u32>(f);
   return reinterpret_cast<V8>(bits | ((h & 0x8000u) << 16));
 }
-DATTN_DECODE_INLINE void load16_split(const F16Bits* x, V8* even, V8* odd) {
+DATTN_DECODE_INLINE void load16_split(const f16* x, V8* even, V8* odd) {
   V8u32 w;
   std::memcpy(&w, x, sizeof(w));
   *even = half_to_float(w & 0xffffu);
@@ -522,9 +517,9 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       case DType::f32:                                                                    \
         return run_split<float>(p, j_begin, j_end, ws, o, lse);                           \
       case DType::bf16:                                                                   \
-        return run_split<Bf16Bits>(p, j_begin, j_end, ws, o, lse);                        \
+        return run_split<bf16>(p, j_begin, j_end, ws, o, lse);                            \
       case DType::f16:                                                                    \
-        return run_split<F16Bits>(p, j_begin, j_end, ws, o, lse);                         \
+        return run_split<f16>(p, j_begin, j_end, ws, o, lse);                             \
     }                                                                                     \
   }
 DATTN_DECODE_RUN_SPLIT(run_split_baseline, )

@@ -76,14 +76,6 @@ const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int
   return buf;
 }
 
-// Whether x[0..n) holds a NaN.
-bool has_nan(const float* x, int64_t n) {
-  bool any = false;
-  for (int64_t i = 0; i < n; ++i)
-    any |= std::isnan(x[i]);
-  return any;
-}
-
 // O[bq, Dv] += P[bq, bk] V[bk, Dv] for a partially masked tile whose V has rows holding NaN or
 // inf. A plain GEMM would multiply the exact zeros of P (masked pairs, rows that see nothing
 // here) by them, and 0 * NaN = NaN would reach rows that never see that key. So the GEMM runs

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/finite.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/base/error.h"
@@ -322,14 +323,6 @@ DATTN_DECODE_INLINE const float* rows_f32(const T* rows, int64_t stride, int64_t
     *ld = d;
     return ws.wide.data();
   }
-}
-
-// Whether x[0..n) holds a NaN.
-bool has_nan(const float* x, int64_t n) {
-  bool any = false;
-  for (int64_t i = 0; i < n; ++i)
-    any |= std::isnan(x[i]);
-  return any;
 }
 
 // The normalised partial of job p over its keys [j_begin, j_end): o [heads_kv * rows, dv],

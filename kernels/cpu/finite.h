@@ -26,6 +26,17 @@ inline bool all_finite(const float* x, int64_t n) {
   return bad == 0;
 }
 
+// Whether x[0..n) holds a NaN (the kernels' test of a score row that saw no key).
+inline bool has_nan(const float* x, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof(u));
+    any |= uint32_t((u & 0x7fffffffu) > 0x7f800000u);
+  }
+  return any != 0;
+}
+
 // Whether the matrix x[rows, cols] with leading dimension ld is all finite.
 inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
   if (ld == cols) return all_finite(x, rows * cols);

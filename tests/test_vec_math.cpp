@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/cpu/vec_math.h"
+#include "src/base/dtype.h"
 
 namespace dattn::cpu {
 namespace {
@@ -59,6 +60,38 @@ TEST(VecMath, ExpShiftSumOnEveryIsa) {
         }
       }
       EXPECT_NEAR(sum, expect_sum, 1e-6 * expect_sum) << vec_isa_name(isa) << " n=" << n;
+    }
+  }
+}
+
+// P = hi + lo in bf16: hi is P rounded to nearest even, hi + lo within 2^-17 P (2^-126 for
+// subnormal P), 0 stays 0 and a NaN stays NaN; every ISA gives the portable bits.
+TEST(VecMath, SplitBf16OnEveryIsa) {
+  for (VecIsa isa : runnable_isas()) {
+    for (int64_t n : {1, 15, 16, 17, 512}) {
+      std::vector<float> x = scores(n);
+      for (int64_t i = 0; i < n; ++i)  // probabilities: 0, tiny, near 1, 1
+        x[size_t(i)] = i % 5 == 0 ? 0.f : std::exp(-std::fabs(x[size_t(i)]) * float(i % 7));
+      x[size_t(n - 1)] = n > 1 ? 1.f : x[0];
+      if (n > 3) x[2] = NAN;
+      const size_t len = static_cast<size_t>(n);
+      std::vector<uint16_t> hi(len), lo(len), hi_p(len), lo_p(len);
+      split_bf16(isa, x.data(), n, hi.data(), lo.data());
+      split_bf16(VecIsa::portable, x.data(), n, hi_p.data(), lo_p.data());
+      for (int64_t i = 0; i < n; ++i) {
+        SCOPED_TRACE(testing::Message() << vec_isa_name(isa) << " n=" << n << " i=" << i);
+        const size_t k = size_t(i);
+        EXPECT_EQ(hi[k], hi_p[k]);
+        EXPECT_EQ(lo[k], lo_p[k]);
+        const double h = to_float(bf16{hi[k]}), l = to_float(bf16{lo[k]}), v = x[k];
+        if (std::isnan(v)) {
+          EXPECT_TRUE(std::isnan(h));
+          continue;
+        }
+        EXPECT_EQ(to_bf16(x[k]).bits, hi[k]);  // the library's rounding
+        // relative for normal values; below 2^-126 (P weights nothing there) absolute
+        EXPECT_LE(std::fabs(h + l - v), std::ldexp(std::fabs(v), -17) + std::ldexp(1.0, -126));
+      }
     }
   }
 }

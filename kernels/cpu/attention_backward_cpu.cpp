@@ -1,9 +1,9 @@
 // The CPU attention backward kernel. For each pair of a query tile and a key tile the mask does
 // not hide: S = scale Q K^T and P = exp(S - lse) recomputed from the final lse, dP = dO V^T,
-// dS = P (dP - delta), then dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, all BLAS sgemm
-// calls on the tiles. Each output element is written by one thread, in one fixed order. NaN or
-// inf where the mask hides it never reaches a gradient of a row or key that does not see it
-// (see p_and_ds).
+// dS = P (dP - delta), then dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, all fp32 tile
+// GEMMs (kernels/cpu/tile_gemm.h; 16-bit inputs are widened). Each output element is written by one
+// thread, in one fixed order. NaN or inf where the mask hides it never reaches a gradient of a row
+// or key that does not see it (see p_and_ds).
 #include "kernels/cpu/attention_backward_cpu.h"
 
 #include <cblas.h>
@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "kernels/cpu/finite.h"
+#include "kernels/cpu/first_error.h"
+#include "kernels/cpu/tile_gemm.h"
 #include "kernels/cpu/vec_math.h"
 #include "src/base/error.h"
 
@@ -147,6 +149,13 @@ struct Problem {
   const float* lse;
   const float* delta;
   int64_t B, Hq, Hkv, D, Dv, group, q_len, k_len, q_tiles, k_tiles;
+  GemmPath path;  // of the fp32 tile GEMMs
+
+  // C[M, N] = alpha A B (+ C when accumulate), fp32.
+  void gemm(int64_t M, int64_t N, int64_t K, float alpha, const GemmOperand& A,
+            const GemmOperand& B, bool accumulate, float* C, int64_t ldc) const {
+    tile_gemm(path, DType::f32, M, N, K, alpha, A, B, accumulate, C, ldc);
+  }
 
   int64_t q_pos(int64_t i) const { return blk.q_position(i); }  // i: row of the block
   int64_t k_pos(int64_t j) const { return blk.k_position(j); }
@@ -221,8 +230,7 @@ struct Problem {
     ws.q_bad = ws.dout_bad = ws.k_bad = nullptr;
     ws.dirty = false;
     // S = scale * Q K^T [bq, bk], rounded like the forward's.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(D), blk.scale, Q.ptr,
-                int(Q.ld), K.ptr, int(K.ld), 0.f, ws.p, int(bk));
+    gemm(bq, bk, D, blk.scale, {Q.ptr, Q.ld}, {K.ptr, K.ld, true}, false, ws.p, bk);
     if (partial && !(all_finite(ws.p, bk) && column0_finite(ws.p, bq, bk))) {  // Q or K: which rows
       ws.q_use = sanitised(ws.q_check, b, h, it, Q, bq, D, ws.qs);
       ws.k_use = sanitised(ws.k_check, b, h / group, jt, K, bk, D, ws.ks);
@@ -273,8 +281,7 @@ struct Problem {
     }
     if (!any) return false;
     // dP = dO V^T [bq, bk]
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(Dv), 1.f, dO.ptr,
-                int(dO.ld), V.ptr, int(V.ld), 0.f, ws.ds, int(bk));
+    gemm(bq, bk, Dv, 1.f, {dO.ptr, dO.ld}, {V.ptr, V.ld, true}, false, ws.ds, bk);
     if (partial && !column0_finite(ws.ds, bq, bk)) {  // dO holds NaN or inf (or V row 0): rows
       ws.dout_use = sanitised(ws.dout_check, b, h, it, dO, bq, Dv, ws.dos);
       if (!ws.dout_check.bad.empty()) ws.dout_bad = &ws.dout_check.bad;
@@ -357,11 +364,11 @@ struct Problem {
         const Tile Q = q_tile(ws, b, h, it), dO = dout_tile(ws, b, h, it);
         if (!p_and_ds(ws, b, h, it, jt, cover, Q, dO, K, V)) continue;
         // dV += P^T dO [bk, Dv]
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(bk), int(Dv), int(bq), 1.f, ws.p,
-                    int(bk), ws.dout_use.ptr, int(ws.dout_use.ld), 1.f, dv_t, int(Hkv * Dv));
+        gemm(bk, Dv, bq, 1.f, {ws.p, bk, true}, {ws.dout_use.ptr, ws.dout_use.ld}, true, dv_t,
+             Hkv * Dv);
         // dK += scale dS^T Q [bk, D]
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(bk), int(D), int(bq), blk.scale,
-                    ws.ds, int(bk), ws.q_use.ptr, int(ws.q_use.ld), 1.f, dk_t, int(Hkv * D));
+        gemm(bk, D, bq, blk.scale, {ws.ds, bk, true}, {ws.q_use.ptr, ws.q_use.ld}, true, dk_t,
+             Hkv * D);
         if (ws.dirty) add_bad_rows_dk_dv(ws, bk, Q, dO, dk_t, dv_t);
         if (dq != nullptr) query_update(ws, b, h, it, jt, K, dq);
       }
@@ -375,8 +382,7 @@ struct Problem {
                     float* dq) const {
     const int64_t bq = q_rows(it), bk = k_rows(jt);
     float* dq_t = dq_at(dq, b, h, it);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(D), int(bk), blk.scale,
-                ws.ds, int(bk), ws.k_use.ptr, int(ws.k_use.ld), 1.f, dq_t, int(Hq * D));
+    gemm(bq, D, bk, blk.scale, {ws.ds, bk}, {ws.k_use.ptr, ws.k_use.ld}, true, dq_t, Hq * D);
     if (!ws.dirty) return;
     if (ws.k_bad != nullptr)
       for (int64_t j : *ws.k_bad)
@@ -454,7 +460,8 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
                    q_len,
                    k_len,
                    (q_len + kBwdTileQ - 1) / kBwdTileQ,
-                   (k_len + kBwdTileK - 1) / kBwdTileK};
+                   (k_len + kBwdTileK - 1) / kBwdTileK,
+                   gemm_path(DType::f32)};
 
   // Whole block hidden by the mask: nothing to do.
   if (blk.mask.cover(std::min(pr.q_pos(0), pr.q_pos(q_len - 1)),
@@ -477,6 +484,8 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
   for (int t = 0; t < threads; ++t)
     workspaces.emplace_back(D, Dv);
 
+  // A tile GEMM that fails (oneDNN) must not throw out of an OpenMP thread.
+  FirstError error;
   if (schedule == BackwardSchedule::fused) {
 #pragma omp parallel
     {
@@ -484,9 +493,12 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
 #pragma omp for collapse(2) schedule(dynamic, 1)
       for (int64_t b = 0; b < B; ++b)
         for (int64_t hk = 0; hk < Hkv; ++hk)
-          for (int64_t jt = 0; jt < pr.k_tiles; ++jt)
-            pr.key_tile(ws, b, hk, jt, dq, dk, dv);
+          error.run([&] {
+            for (int64_t jt = 0; jt < pr.k_tiles; ++jt)
+              pr.key_tile(ws, b, hk, jt, dq, dk, dv);
+          });
     }
+    error.rethrow();
     return;
   }
 
@@ -500,14 +512,15 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
     for (int64_t b = 0; b < B; ++b)
       for (int64_t hk = 0; hk < Hkv; ++hk)
         for (int64_t jt = 0; jt < pr.k_tiles; ++jt)
-          pr.key_tile(ws, b, hk, jt, nullptr, dk, dv);
+          error.run([&] { pr.key_tile(ws, b, hk, jt, nullptr, dk, dv); });
           // Pass 2: dq.
 #pragma omp for collapse(3) schedule(dynamic, 1) nowait
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < Hq; ++h)
         for (int64_t it = 0; it < pr.q_tiles; ++it)
-          pr.query_tile(ws, b, h, it, dq);
+          error.run([&] { pr.query_tile(ws, b, h, it, dq); });
   }
+  error.rethrow();
 }
 
 void attention_backward_delta(const void* dout, DType dtype, const float* out, int64_t batch,

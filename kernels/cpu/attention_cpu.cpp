@@ -1,7 +1,15 @@
 // The CPU attention kernel: for each (batch, query head, query tile) an online-softmax pass
-// over the key tiles, with S = Q K^T and O += P V as BLAS sgemm calls on the tiles, then one
-// merge of the tile's partial into the running partial (kernels/merge.h). NaN or inf where the
-// mask hides it never reaches a row that does not see it (see add_pv_sanitised).
+// over the key tiles, with S = Q K^T and O += P V as tile GEMMs (kernels/cpu/tile_gemm.h), then
+// one merge of the tile's partial into the running partial (kernels/merge.h). NaN or inf where
+// the mask hides it never reaches a row that does not see it (see add_pv_sanitised).
+//
+// Operands: fp32 tensors are read in place; bf16 ones too where the CPU multiplies bf16 at
+// full speed (AVX512-BF16, AMX: gemm_path(bf16) is onednn), else they and fp16 are widened to
+// fp32 tile by tile. On the bf16 path P is split into two bf16 terms, P = P_hi + P_lo (P_hi is
+// P rounded to bf16, P_lo the rest rounded), and O += P_hi V + P_lo V: P keeps 16 bits instead
+// of 8, so the result is as accurate as the widened path's (within 2^-17 of P per term; a
+// single bf16 P would cost 2^-9, as much as storing the output in bf16), for two bf16 GEMMs at
+// the cost of one fp32 one, while S = Q K^T runs at the full bf16 rate.
 #include "kernels/cpu/attention_cpu.h"
 
 #include <cblas.h>
@@ -17,6 +25,8 @@
 
 #include "kernels/cpu/decode_cpu.h"
 #include "kernels/cpu/finite.h"
+#include "kernels/cpu/first_error.h"
+#include "kernels/cpu/tile_gemm.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/base/error.h"
@@ -38,12 +48,16 @@ struct Workspace {
   float* o_saved = nullptr;         // [kTileQ, Dv]  o before a partially masked tile's O += P V
   float* m = nullptr;               // [kTileQ]      running row max
   float* l = nullptr;               // [kTileQ]      running row sum
+  uint16_t* p_hi = nullptr;         // [kTileQ, kTileK] bf16 P rounded (bf16 path)
+  uint16_t* p_lo = nullptr;         // [kTileQ, kTileK] bf16 P - P_hi rounded (bf16 path)
   std::vector<int64_t> kpos, kdoc;  // [kTileK] key positions and documents of a masked tile
   std::vector<int64_t> bad;         // rows of V holding NaN or inf (add_pv_sanitised)
 
   Workspace(int64_t d, int64_t dv) : kpos(size_t(kTileK)), kdoc(size_t(kTileK)) {
-    int64_t sizes[] = {kTileQ * d,  kTileK * d,  kTileK * dv, kTileK * dv, kTileQ * kTileK,
-                       kTileQ * dv, kTileQ * dv, kTileQ,      kTileQ};
+    // In floats (p_hi and p_lo take half a float an element), each piece 64-byte aligned.
+    const int64_t sizes[] = {kTileQ * d,      kTileK * d,          kTileK * dv,        kTileK * dv,
+                             kTileQ * kTileK, kTileQ * dv,         kTileQ * dv,        kTileQ,
+                             kTileQ,          kTileQ * kTileK / 2, kTileQ * kTileK / 2};
     int64_t total = 0;
     for (int64_t sz : sizes)
       total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
@@ -52,11 +66,16 @@ struct Workspace {
       DATTN_THROW_KIND(ErrorKind::out_of_memory,
                        "out of host memory allocating the attention workspace");
     float* p = mem.get();
-    float** slots[] = {&q, &k, &v, &vs, &s, &o, &o_saved, &m, &l};
-    for (int i = 0; i < 9; ++i) {
+    float** slots[] = {&q, &k, &v, &vs, &s, &o, &o_saved, &m};
+    for (int i = 0; i < 8; ++i) {
       *slots[i] = p;
       p += (sizes[i] + 15) / 16 * 16;
     }
+    l = p;
+    p += (sizes[8] + 15) / 16 * 16;
+    p_hi = reinterpret_cast<uint16_t*>(p);
+    p += (sizes[9] + 15) / 16 * 16;
+    p_lo = reinterpret_cast<uint16_t*>(p);
   }
 };
 
@@ -76,33 +95,88 @@ const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int
   return buf;
 }
 
+// The tile GEMMs of one kernel call: the path and the operands' dtype (bf16 read in place, or
+// fp32: fp32 tensors in place, 16-bit ones widened).
+struct Tiles {
+  DType op;
+  GemmPath path;
+  explicit Tiles(DType dtype)
+      : op(dtype == DType::bf16 && gemm_path(DType::bf16) == GemmPath::onednn ? DType::bf16
+                                                                              : DType::f32),
+        path(gemm_path(op)) {}
+  size_t elem() const { return op == DType::bf16 ? 2 : 4; }
+
+  // Rows [row0, row0 + rows) of head h of a bshd tensor as an operand of dtype op: in place, or
+  // widened into buf.
+  GemmOperand rows(const void* base, DType dtype, int64_t b, int64_t seq, int64_t heads, int64_t h,
+                   int64_t dim, int64_t row0, int64_t rows, float* buf) const {
+    if (op == DType::bf16) {
+      const int64_t offset = ((b * seq + row0) * heads + h) * dim;
+      return {static_cast<const uint16_t*>(base) + offset, heads * dim};
+    }
+    int64_t ld;
+    const float* p = tile_f32(base, dtype, b, seq, heads, h, dim, row0, rows, buf, &ld);
+    return {p, ld};
+  }
+
+  // O[bq, Dv] += P[bq, bk] V[bk, Dv]: P is fp32 in ws.s, and on the bf16 path also split into
+  // ws.p_hi + ws.p_lo (split_row).
+  void add_pv(Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V, int64_t Dv) const {
+    if (op == DType::f32) {
+      tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.s, bk}, V, true, ws.o, Dv);
+      return;
+    }
+    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_hi, bk}, V, true, ws.o, Dv);
+    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_lo, bk}, V, true, ws.o, Dv);
+  }
+  // On the bf16 path, row i of P (ws.s, bk wide) into ws.p_hi and ws.p_lo, while it is in cache.
+  void split_row(Workspace& ws, int64_t i, int64_t bk) const {
+    if (op == DType::bf16) split_bf16(ws.s + i * bk, bk, ws.p_hi + i * bk, ws.p_lo + i * bk);
+  }
+};
+
+// Whether row r of a bshd operand of dtype op (cols values) is all finite.
+bool row_finite(const Tiles& t, const GemmOperand& V, int64_t r, int64_t cols) {
+  if (t.op == DType::f32) return all_finite(static_cast<const float*>(V.ptr) + r * V.ld, cols);
+  const uint16_t* row = static_cast<const uint16_t*>(V.ptr) + r * V.ld;
+  for (int64_t c = 0; c < cols; ++c)
+    if ((row[c] & 0x7f80u) == 0x7f80u) return false;
+  return true;
+}
+
+float value_at(const Tiles& t, const GemmOperand& V, int64_t r, int64_t c) {
+  if (t.op == DType::f32) return static_cast<const float*>(V.ptr)[r * V.ld + c];
+  return to_float(bf16{static_cast<const uint16_t*>(V.ptr)[r * V.ld + c]});
+}
+
 // O[bq, Dv] += P[bq, bk] V[bk, Dv] for a partially masked tile whose V has rows holding NaN or
 // inf. A plain GEMM would multiply the exact zeros of P (masked pairs, rows that see nothing
 // here) by them, and 0 * NaN = NaN would reach rows that never see that key. So the GEMM runs
 // on a copy of V with those rows zeroed, and the pairs that do weigh a bad row (P != 0, or NaN)
 // add it afterwards, so that a NaN or inf a row does see still reaches it. The clean rows' sums
-// are the GEMM's over the same P, bit for bit what they are when those rows hold finite values.
-void add_pv_sanitised(const float* P, int64_t bq, int64_t bk, const float* V, int64_t ldv,
-                      int64_t Dv, Workspace& ws) {
+// are the same GEMMs' over the same P, bit for bit what they are when those rows hold finite
+// values.
+void add_pv_sanitised(const Tiles& t, Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V,
+                      int64_t Dv) {
   ws.bad.clear();
+  const size_t row_bytes = size_t(Dv) * t.elem();
+  char* vs = reinterpret_cast<char*>(ws.vs);
   for (int64_t j = 0; j < bk; ++j) {
-    const float* row = V + j * ldv;
-    float* dst = ws.vs + j * Dv;
-    if (all_finite(row, Dv)) {
-      std::copy(row, row + Dv, dst);
+    char* dst = vs + size_t(j) * row_bytes;
+    if (row_finite(t, V, j, Dv)) {
+      std::memcpy(dst, static_cast<const char*>(V.ptr) + size_t(j * V.ld) * t.elem(), row_bytes);
     } else {
-      std::fill(dst, dst + Dv, 0.f);
+      std::memset(dst, 0, row_bytes);
       ws.bad.push_back(j);
     }
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(Dv), int(bk), 1.f, P, int(bk),
-              ws.vs, int(Dv), 1.f, ws.o, int(Dv));
+  t.add_pv(ws, bq, bk, {ws.vs, Dv}, Dv);
   for (int64_t j : ws.bad)
     for (int64_t i = 0; i < bq; ++i) {
-      const float p = P[i * bk + j];
+      const float p = ws.s[i * bk + j];
       if (p == 0.f) continue;
       for (int64_t c = 0; c < Dv; ++c)
-        ws.o[i * Dv + c] += p * V[j * ldv + c];
+        ws.o[i * Dv + c] += p * value_at(t, V, j, c);
     }
 }
 
@@ -125,6 +199,7 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   if (mask.cover(q_pos(0), q_pos(q_len - 1), k_pos(0), k_pos(k_len - 1)) == Mask::Cover::none)
     return;
 
+  const Tiles tiles(blk.dtype);
   // Each thread runs single-threaded BLAS on its own tiles.
   openblas_set_num_threads(1);
 
@@ -135,111 +210,117 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   for (int t = 0; t < omp_get_max_threads(); ++t)
     workspaces.emplace_back(D, Dv);
 
+  // One (batch, head, query tile): its online softmax over the key tiles, then its merge.
+  auto run_tile = [&](Workspace& ws, int64_t b, int64_t h, int64_t qt) {
+    const int64_t hk = h / group;
+    const int64_t i0 = qt * kTileQ;  // block row of the tile's first query
+    const int64_t bq = std::min(kTileQ, q_len - i0);
+    const GemmOperand Q =
+        tiles.rows(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + i0, bq, ws.q);
+    std::fill(ws.m, ws.m + bq, -INFINITY);
+    std::fill(ws.l, ws.l + bq, 0.f);
+    std::fill(ws.o, ws.o + bq * Dv, 0.f);
+    const int64_t qlo = std::min(q_pos(i0), q_pos(i0 + bq - 1));
+    const int64_t qhi = std::max(q_pos(i0), q_pos(i0 + bq - 1));
+
+    for (int64_t j0 = 0; j0 < k_len; j0 += kTileK) {
+      const int64_t bk = std::min(kTileK, k_len - j0);
+      const int64_t klo = std::min(k_pos(j0), k_pos(j0 + bk - 1));
+      const int64_t khi = std::max(k_pos(j0), k_pos(j0 + bk - 1));
+      const Mask::Cover cover = mask.cover(qlo, qhi, klo, khi);
+      if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
+      const GemmOperand K =
+          tiles.rows(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0, bk, ws.k);
+      const GemmOperand V =
+          tiles.rows(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + j0, bk, ws.v);
+      // S = scale * Q K^T  [bq, bk]
+      tile_gemm(tiles.path, tiles.op, bq, bk, D, blk.scale, Q, {K.ptr, K.ld, true}, false, ws.s,
+                bk);
+      if (cover == Mask::Cover::some) {  // the tile's key positions and documents, once
+        for (int64_t j = 0; j < bk; ++j) {
+          ws.kpos[size_t(j)] = k_pos(j0 + j);
+          ws.kdoc[size_t(j)] = mask.document_of(ws.kpos[size_t(j)]);
+        }
+      }
+      bool any_row = false;
+      for (int64_t i = 0; i < bq; ++i) {
+        float* srow = ws.s + i * bk;
+        if (cover == Mask::Cover::some) {
+          const int64_t qp = q_pos(i0 + i), qdoc = mask.document_of(qp);
+          for (int64_t j = 0; j < bk; ++j)
+            if (!mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc)
+              srow[j] = -INFINITY;
+        }
+        const float m_new = std::max(ws.m[i], row_max(srow, bk));
+        if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
+          // ... unless its scores are NaN (NaN or inf in its q or in a key it sees: hidden
+          // keys are -inf by now), which max() passes over: the row's state becomes NaN,
+          // so that its out and lse are NaN, not those of a row that sees nothing.
+          if (has_nan(srow, bk)) ws.m[i] = ws.l[i] = NAN;
+          std::fill(srow, srow + bk, 0.f);
+          tiles.split_row(ws, i, bk);
+          continue;
+        }
+        any_row = true;
+        const float row_sum = exp_shift_sum(srow, bk, m_new);
+        if (m_new != ws.m[i]) {  // rescale the running state to the new max
+          const float alpha = ws.m[i] == -INFINITY ? 0.f : std::exp(ws.m[i] - m_new);
+          ws.l[i] *= alpha;
+          scale_row(ws.o + i * Dv, Dv, alpha);
+          ws.m[i] = m_new;
+        }
+        ws.l[i] += row_sum;
+        tiles.split_row(ws, i, bk);
+      }
+      if (!any_row) continue;
+      // O += P V  [bq, Dv]. A partially masked tile whose V holds NaN or inf takes the slow
+      // path (add_pv_sanitised). Finding out costs a copy of O, not a scan of V: a NaN or
+      // inf in column c of V makes column c of O NaN or inf in every row (P is finite, and
+      // 0 * NaN, 0 * inf are NaN), so O's row 0 after the GEMM tells, and O is restored
+      // from the copy. The copy reads O, hot in cache; scanning V, which the GEMM has not
+      // read yet, cost 2% of a causal forward (S = 4096, one thread; perf). Fully visible
+      // tiles need neither: every row sees every key there, so a NaN is theirs.
+      const bool partial = cover == Mask::Cover::some;
+      if (partial) std::copy(ws.o, ws.o + bq * Dv, ws.o_saved);
+      tiles.add_pv(ws, bq, bk, V, Dv);
+      if (partial && !all_finite(ws.o, Dv)) {
+        std::copy(ws.o_saved, ws.o_saved + bq * Dv, ws.o);
+        add_pv_sanitised(tiles, ws, bq, bk, V, Dv);
+      }
+    }
+
+    // Normalise the tile's partial and merge it into the running partial.
+    for (int64_t i = 0; i < bq; ++i) {
+      if (ws.l[i] == 0.f) continue;  // saw no key: empty partial, identity of the merge
+      float* orow = ws.o + i * Dv;
+      scale_row(orow, Dv, 1.f / ws.l[i]);
+      const int64_t row = blk.q_begin + i0 + i;
+      merge_row(out + ((b * blk.seq_q + row) * Hq + h) * Dv, lse + (b * Hq + h) * blk.seq_q + row,
+                orow, ws.m[i] + std::log(ws.l[i]), Dv);
+    }
+  };
+
+  // A tile GEMM that fails (oneDNN) must not throw out of an OpenMP thread.
+  FirstError error;
 #pragma omp parallel
   {
     Workspace& ws = workspaces[size_t(omp_get_thread_num())];
 #pragma omp for collapse(3) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t h = 0; h < Hq; ++h) {
-        for (int64_t qt = 0; qt < q_tiles; ++qt) {
-          const int64_t hk = h / group;
-          const int64_t i0 = qt * kTileQ;  // block row of the tile's first query
-          const int64_t bq = std::min(kTileQ, q_len - i0);
-          int64_t ldq;
-          const float* Q =
-              tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + i0, bq, ws.q, &ldq);
-          std::fill(ws.m, ws.m + bq, -INFINITY);
-          std::fill(ws.l, ws.l + bq, 0.f);
-          std::fill(ws.o, ws.o + bq * Dv, 0.f);
-          const int64_t qlo = std::min(q_pos(i0), q_pos(i0 + bq - 1));
-          const int64_t qhi = std::max(q_pos(i0), q_pos(i0 + bq - 1));
-
-          for (int64_t j0 = 0; j0 < k_len; j0 += kTileK) {
-            const int64_t bk = std::min(kTileK, k_len - j0);
-            const int64_t klo = std::min(k_pos(j0), k_pos(j0 + bk - 1));
-            const int64_t khi = std::max(k_pos(j0), k_pos(j0 + bk - 1));
-            const Mask::Cover cover = mask.cover(qlo, qhi, klo, khi);
-            if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
-            int64_t ldk, ldv;
-            const float* K = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0,
-                                      bk, ws.k, &ldk);
-            const float* V = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + j0,
-                                      bk, ws.v, &ldv);
-            // S = scale * Q K^T  [bq, bk]
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(bq), int(bk), int(D),
-                        blk.scale, Q, int(ldq), K, int(ldk), 0.f, ws.s, int(bk));
-            if (cover == Mask::Cover::some) {  // the tile's key positions and documents, once
-              for (int64_t j = 0; j < bk; ++j) {
-                ws.kpos[size_t(j)] = k_pos(j0 + j);
-                ws.kdoc[size_t(j)] = mask.document_of(ws.kpos[size_t(j)]);
-              }
-            }
-            bool any_row = false;
-            for (int64_t i = 0; i < bq; ++i) {
-              float* srow = ws.s + i * bk;
-              if (cover == Mask::Cover::some) {
-                const int64_t qp = q_pos(i0 + i), qdoc = mask.document_of(qp);
-                for (int64_t j = 0; j < bk; ++j)
-                  if (!mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc)
-                    srow[j] = -INFINITY;
-              }
-              const float m_new = std::max(ws.m[i], row_max(srow, bk));
-              if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
-                // ... unless its scores are NaN (NaN or inf in its q or in a key it sees: hidden
-                // keys are -inf by now), which max() passes over: the row's state becomes NaN,
-                // so that its out and lse are NaN, not those of a row that sees nothing.
-                if (has_nan(srow, bk)) ws.m[i] = ws.l[i] = NAN;
-                std::fill(srow, srow + bk, 0.f);
-                continue;
-              }
-              any_row = true;
-              const float row_sum = exp_shift_sum(srow, bk, m_new);
-              if (m_new != ws.m[i]) {  // rescale the running state to the new max
-                const float alpha = ws.m[i] == -INFINITY ? 0.f : std::exp(ws.m[i] - m_new);
-                ws.l[i] *= alpha;
-                scale_row(ws.o + i * Dv, Dv, alpha);
-                ws.m[i] = m_new;
-              }
-              ws.l[i] += row_sum;
-            }
-            if (!any_row) continue;
-            // O += P V  [bq, Dv]. A partially masked tile whose V holds NaN or inf takes the slow
-            // path (add_pv_sanitised). Finding out costs a copy of O, not a scan of V: a NaN or
-            // inf in column c of V makes column c of O NaN or inf in every row (P is finite, and
-            // 0 * NaN, 0 * inf are NaN), so O's row 0 after the GEMM tells, and O is restored
-            // from the copy. The copy reads O, hot in cache; scanning V, which the GEMM has not
-            // read yet, cost 2% of a causal forward (S = 4096, one thread; perf). Fully visible
-            // tiles need neither: every row sees every key there, so a NaN is theirs.
-            const bool partial = cover == Mask::Cover::some;
-            if (partial) std::copy(ws.o, ws.o + bq * Dv, ws.o_saved);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(bq), int(Dv), int(bk), 1.f,
-                        ws.s, int(bk), V, int(ldv), 1.f, ws.o, int(Dv));
-            if (partial && !all_finite(ws.o, Dv)) {
-              std::copy(ws.o_saved, ws.o_saved + bq * Dv, ws.o);
-              add_pv_sanitised(ws.s, bq, bk, V, ldv, Dv, ws);
-            }
-          }
-
-          // Normalise the tile's partial and merge it into the running partial.
-          for (int64_t i = 0; i < bq; ++i) {
-            if (ws.l[i] == 0.f) continue;  // saw no key: empty partial, identity of the merge
-            float* orow = ws.o + i * Dv;
-            scale_row(orow, Dv, 1.f / ws.l[i]);
-            const int64_t row = blk.q_begin + i0 + i;
-            merge_row(out + ((b * blk.seq_q + row) * Hq + h) * Dv,
-                      lse + (b * Hq + h) * blk.seq_q + row, orow, ws.m[i] + std::log(ws.l[i]), Dv);
-          }
-        }
-      }
-    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t qt = 0; qt < q_tiles; ++qt)
+          error.run([&] { run_tile(ws, b, h, qt); });
   }
+  error.rethrow();
 }
 
 std::string cpu_kernel_info() {
   const char* core = openblas_get_corename();
-  std::string info =
-      detail::cat("blas OpenBLAS core ", core ? core : "?", ", softmax ", vec_math_isa(),
-                  ", tiles ", kTileQ, "x", kTileK, ", decode ", decode_isa_name(decode_best_isa()));
+  std::string info = detail::cat(
+      "blas OpenBLAS core ", core ? core : "?", ", tiles ", kTileQ, "x", kTileK, " fp32 on ",
+      gemm_info(DType::f32), ", bf16 on ",
+      gemm_path(DType::bf16) == GemmPath::onednn ? gemm_info(DType::bf16) : "fp32 (widened)",
+      ", softmax ", vec_math_isa(), ", decode ", decode_isa_name(decode_best_isa()));
   if (core != nullptr && std::strcmp(core, "Prescott") == 0)
     info += " (WARNING: generic BLAS kernels; set OPENBLAS_CORETYPE, see launch/mpirun.sh)";
   return info;

@@ -1,4 +1,5 @@
-// Softmax row operations: portable C++, AVX2 and AVX-512 versions, one chosen at load time.
+// Softmax row operations (and the bf16 split of P): portable C++, AVX2 and AVX-512 versions,
+// one chosen at load time.
 // Measured on a Sapphire-Rapids-class core: GCC does not vectorise the portable max and
 // exp-sum reductions (they stay scalar, ~40% of kernel time); the AVX-512 path makes them a
 // few percent of the tile GEMMs.
@@ -51,7 +52,50 @@ float exp_shift_sum_portable(float* x, int64_t n, float m) {
   return s;
 }
 
+// x = hi + lo: hi is x rounded to bf16 (to nearest even), lo the rest rounded. For finite x and
+// quiet NaNs (a NaN stays NaN); the integer rounding would turn a signalling NaN into inf.
+uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+void split_bf16_portable(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = round_bf16(x[i]);
+    const uint32_t hb = uint32_t(h) << 16;
+    float hf;
+    std::memcpy(&hf, &hb, 4);
+    hi[i] = h;
+    lo[i] = round_bf16(x[i] - hf);
+  }
+}
+
 #if defined(__x86_64__)
+// round_bf16 on 16 lanes, as the 32-bit words whose top halves are the bf16 values.
+__attribute__((target("avx512f"))) __m512i round_bf16_512(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+
+__attribute__((target("avx512f"))) void split_bf16_avx512(const float* x, int64_t n, uint16_t* hi,
+                                                          uint16_t* lo) {
+  const __m512i top = _mm512_set1_epi32(int(0xffff0000u));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512i h = round_bf16_512(v);
+    const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_and_si512(h, top)));
+    const __m512i l = round_bf16_512(rest);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+  }
+  split_bf16_portable(x + i, n - i, hi + i, lo + i);
+}
+
 __attribute__((target("avx512f"))) __m512 exp512(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GE_OQ);
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(kExpLow));
@@ -181,8 +225,19 @@ float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m) {
   return exp_shift_sum_portable(x, n, m);
 }
 
+void split_bf16(VecIsa isa, const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+#if defined(__x86_64__)
+  if (isa == VecIsa::avx512) return split_bf16_avx512(x, n, hi, lo);
+#endif
+  (void)isa;
+  split_bf16_portable(x, n, hi, lo);
+}
+
 float row_max(const float* x, int64_t n) {
   return row_max(kIsa, x, n);
+}
+void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  split_bf16(kIsa, x, n, hi, lo);
 }
 float exp_shift_sum(float* x, int64_t n, float m) {
   return exp_shift_sum(kIsa, x, n, m);

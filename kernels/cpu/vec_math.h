@@ -18,6 +18,10 @@ float row_max(const float* x, int64_t n);
 float exp_shift_sum(float* x, int64_t n, float m);
 // x[i] *= c.
 void scale_row(float* x, int64_t n, float c);
+// x[i] = hi[i] + lo[i] in bf16 bits: hi[i] is x[i] rounded to bf16 (to nearest even), lo[i] the
+// rest rounded, so hi + lo is within 2^-17 |x[i]| (2^-126 below the normal range). x finite or
+// quiet NaN (NaN stays NaN).
+void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo);
 // Which implementation runs here: vec_isa_name(vec_math_best_isa()).
 const char* vec_math_isa();
 
@@ -25,5 +29,7 @@ const char* vec_math_isa();
 // tests compare every path the CPU can run.
 float row_max(VecIsa isa, const float* x, int64_t n);
 float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m);
+void split_bf16(VecIsa isa, const float* x, int64_t n, uint16_t* hi,
+                uint16_t* lo);  // AVX2: portable
 
 }  // namespace dattn::cpu

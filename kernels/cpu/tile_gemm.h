@@ -1,0 +1,53 @@
+// The tile GEMMs of the CPU attention kernels, on the calling thread: C = alpha op(A) op(B)
+// (+ C), A and B fp32 or bf16, C fp32, row-major with leading dimensions. Two paths:
+//   blas    OpenBLAS's sgemm (fp32 operands only): every build, every CPU;
+//   onednn  oneDNN's matmul primitive, whose brgemm kernels run fp32 on AVX-512 and bf16 on
+//           AVX512-BF16 or AMX-BF16 (2x the fp32 rate per instruction on the first, more on the
+//           second), accumulating in fp32. Built where CMake finds oneDNN (Debian's libdnnl-dev;
+//           DATTN_WITH_ONEDNN), used where this CPU has a brgemm kernel for the dtype.
+// Measured on one AMD EPYC Zen 4 core, 256x512x128 and 256x128x512 tiles: OpenBLAS sgemm 95-98
+// GFLOP/s, oneDNN fp32 110-113, oneDNN bf16 213-216.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "src/base/dtype.h"
+
+namespace dattn::cpu {
+
+enum class GemmPath { blas, onednn };
+const char* gemm_path_name(GemmPath p);
+
+// Whether this build and CPU run dtype's operands (f32 or bf16) on path p at its full speed:
+// blas for f32 only; onednn when built with it and oneDNN picks a brgemm kernel here for the
+// dtype (probed once; AVX-512 and up).
+bool gemm_path_runs(GemmPath p, DType dtype);
+
+// The path the kernels use for dtype's operands: the fastest that runs (onednn, then blas), or
+// under set_gemm_path the forced path where it runs the dtype and blas where not. For bf16 and
+// fp16, blas means "widen to fp32, then gemm_path(f32)".
+GemmPath gemm_path(DType dtype);
+// Forces the path (tests run each in turn). Not thread-safe against running kernels.
+void set_gemm_path(GemmPath p);
+void reset_gemm_path();
+
+// One operand: rows x cols of dtype at ptr with leading dimension ld, transposed when trans
+// (then ptr holds the cols x rows matrix).
+struct GemmOperand {
+  const void* ptr;
+  int64_t ld;
+  bool trans = false;
+};
+
+// C[M, N] = alpha * A[M, K] B[K, N] (+ C when accumulate) on path p (which must run dtype).
+// Throws dattn::Error when oneDNN fails: a caller inside an OpenMP region catches it there and
+// rethrows after the region.
+void tile_gemm(GemmPath p, DType dtype, int64_t M, int64_t N, int64_t K, float alpha,
+               const GemmOperand& A, const GemmOperand& B, bool accumulate, float* C, int64_t ldc);
+
+// "oneDNN 2.6.3 brg:avx512_core_bf16" for the header lines: the implementation dtype's tiles run
+// on, or "OpenBLAS sgemm".
+std::string gemm_info(DType dtype);
+
+}  // namespace dattn::cpu

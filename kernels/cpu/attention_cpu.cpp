@@ -135,6 +135,17 @@ struct Tiles {
   }
 };
 
+// Keys are left out of a partially visible tile in steps of this many (see the kernel).
+constexpr int64_t kTrimStep = 64;
+
+// Whether hidden(j) for every j in [a, b).
+template <class Hidden>
+bool all_hidden(const Hidden& hidden, int64_t a, int64_t b) {
+  for (int64_t j = a; j < b; ++j)
+    if (!hidden(j)) return false;
+  return true;
+}
+
 // Whether row r of a bshd operand of dtype op (cols values) is all finite.
 bool row_finite(const Tiles& t, const GemmOperand& V, int64_t r, int64_t cols) {
   if (t.op == DType::f32) return all_finite(static_cast<const float*>(V.ptr) + r * V.ld, cols);
@@ -223,12 +234,31 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
     const int64_t qlo = std::min(q_pos(i0), q_pos(i0 + bq - 1));
     const int64_t qhi = std::max(q_pos(i0), q_pos(i0 + bq - 1));
 
-    for (int64_t j0 = 0; j0 < k_len; j0 += kTileK) {
-      const int64_t bk = std::min(kTileK, k_len - j0);
-      const int64_t klo = std::min(k_pos(j0), k_pos(j0 + bk - 1));
-      const int64_t khi = std::max(k_pos(j0), k_pos(j0 + bk - 1));
-      const Mask::Cover cover = mask.cover(qlo, qhi, klo, khi);
+    for (int64_t tile0 = 0; tile0 < k_len; tile0 += kTileK) {
+      int64_t j0 = tile0, bk = std::min(kTileK, k_len - tile0);
+      auto cover_of = [&] {
+        return mask.cover(qlo, qhi, std::min(k_pos(j0), k_pos(j0 + bk - 1)),
+                          std::max(k_pos(j0), k_pos(j0 + bk - 1)));
+      };
+      Mask::Cover cover = cover_of();
       if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
+      if (cover == Mask::Cover::some) {
+        // Keys at the tile's ends that no row of the query tile sees (the far side of a causal
+        // diagonal or window edge) are left out, in steps of kTrimStep so that the GEMM shapes
+        // stay few: on a causal mask the 256-row query tiles see half of a 512-key tile.
+        const auto hidden = [&](int64_t j) {
+          return mask.cover(qlo, qhi, k_pos(j), k_pos(j)) == Mask::Cover::none;
+        };
+        int64_t lo = 0, hi = bk;  // the kept keys: [j0 + lo, j0 + hi)
+        while (hi - lo >= kTrimStep && all_hidden(hidden, j0 + hi - kTrimStep, j0 + hi))
+          hi -= kTrimStep;
+        while (hi - lo >= kTrimStep && all_hidden(hidden, j0 + lo, j0 + lo + kTrimStep))
+          lo += kTrimStep;
+        if (lo == hi) continue;
+        j0 += lo;
+        bk = hi - lo;
+        cover = cover_of();
+      }
       const GemmOperand K =
           tiles.rows(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0, bk, ws.k);
       const GemmOperand V =

@@ -1,9 +1,11 @@
 // The CPU attention backward kernel. For each pair of a query tile and a key tile the mask does
 // not hide: S = scale Q K^T and P = exp(S - lse) recomputed from the final lse, dP = dO V^T,
-// dS = P (dP - delta), then dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, all fp32 tile
-// GEMMs (kernels/cpu/tile_gemm.h; 16-bit inputs are widened). Each output element is written by one
-// thread, in one fixed order. NaN or inf where the mask hides it never reaches a gradient of a row
-// or key that does not see it (see p_and_ds).
+// dS = P (dP - delta), then dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, all tile GEMMs
+// (kernels/cpu/tile_gemm.h): fp32 (16-bit inputs widened), or where the CPU multiplies bf16 at
+// full speed and the inputs and dO are bf16, bf16 read in place with P and dS split into two
+// bf16 terms each (as the forward splits P), so that the gradients keep fp32-level accuracy. Each
+// output element is written by one thread, in one fixed order. NaN or inf where the mask hides it
+// never reaches a gradient of a row or key that does not see it (see p_and_ds).
 #include "kernels/cpu/attention_backward_cpu.h"
 
 #include <cblas.h>
@@ -33,10 +35,13 @@ namespace {
 constexpr int64_t kBwdTileQ = kTileQ;
 constexpr int64_t kBwdTileK = kTileK;
 
-// An fp32 tile: its first element and leading dimension.
+// An fp32 tile: its first element and leading dimension; on the bf16 GEMM path also the same
+// rows in the bf16 tensor itself (raw: null for a widened copy with rows zeroed).
 struct Tile {
   const float* ptr = nullptr;
   int64_t ld = 0;
+  const uint16_t* raw = nullptr;
+  int64_t raw_ld = 0;
 };
 
 // Whether an operand tile holds NaN or inf, remembered while the same tile comes back (a key
@@ -51,17 +56,23 @@ struct TileCheck {
 // Per-thread tile buffers, allocated once per call: O(tile), independent of S.
 struct Workspace {
   std::unique_ptr<float[], void (*)(void*)> mem{nullptr, std::free};
-  float* q = nullptr;               // [kBwdTileQ, D]   converted queries (16-bit inputs only)
-  float* dout = nullptr;            // [kBwdTileQ, Dv]  converted output gradients
-  float* k = nullptr;               // [kBwdTileK, D]   converted keys
-  float* v = nullptr;               // [kBwdTileK, Dv]  converted values
-  float* p = nullptr;               // [kBwdTileQ, kBwdTileK] scores, then probabilities P
-  float* ds = nullptr;              // [kBwdTileQ, kBwdTileK] dP, then dS
-  float* qs = nullptr;              // [kBwdTileQ, D]   Q with its non-finite rows zeroed (rare)
-  float* dos = nullptr;             // [kBwdTileQ, Dv]  dO likewise
-  float* ks = nullptr;              // [kBwdTileK, D]   K likewise
+  float* q = nullptr;     // [kBwdTileQ, D]   converted queries (16-bit inputs only)
+  float* dout = nullptr;  // [kBwdTileQ, Dv]  converted output gradients
+  float* k = nullptr;     // [kBwdTileK, D]   converted keys
+  float* v = nullptr;     // [kBwdTileK, Dv]  converted values
+  float* p = nullptr;     // [kBwdTileQ, kBwdTileK] scores, then probabilities P
+  float* ds = nullptr;    // [kBwdTileQ, kBwdTileK] dP, then dS
+  // Q, dO and K tiles with their non-finite rows zeroed (rare), at the tiles' own leading
+  // dimensions (the GEMM kernels' blocking, and so the bits of clean rows, depend on them), and
+  // the same of the raw bf16 rows on the bf16 GEMM path. Sized when first needed.
+  std::vector<float> qs, dos, ks;
+  std::vector<uint16_t> qs16, dos16, ks16;
   std::vector<int64_t> kpos, kdoc;  // [kBwdTileK] key positions and documents of a masked tile
   std::vector<char> empty;          // [kBwdTileQ] rows whose P is all zero in this tile pair
+  // The bf16 GEMM path: P and dS of the pair as two bf16 terms each (vec_math.h's split_bf16),
+  // made when a GEMM first needs them.
+  std::vector<uint16_t> p_hi, p_lo, ds_hi, ds_lo;  // [kBwdTileQ, kBwdTileK]
+  bool p_split = false, ds_split = false;
   // Set by p_and_ds for the tile pair at hand: the Q, dO and K operands of the dK, dV and dQ
   // GEMMs (the tiles, or copies in qs, dos, ks with their NaN/inf rows zeroed, in a partially
   // masked pair), those rows (null: none), and whether there are any.
@@ -72,9 +83,11 @@ struct Workspace {
 
   Workspace(int64_t d, int64_t dv)
       : kpos(size_t(kBwdTileK)), kdoc(size_t(kBwdTileK)), empty(size_t(kBwdTileQ)) {
+    if (gemm_path(DType::bf16) == GemmPath::onednn)
+      for (auto* buf : {&p_hi, &p_lo, &ds_hi, &ds_lo})
+        buf->resize(size_t(kBwdTileQ * kBwdTileK));
     const int64_t sizes[] = {kBwdTileQ * d,  kBwdTileQ * dv,        kBwdTileK * d,
-                             kBwdTileK * dv, kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK,
-                             kBwdTileQ * d,  kBwdTileQ * dv,        kBwdTileK * d};
+                             kBwdTileK * dv, kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK};
     int64_t total = 0;
     for (int64_t sz : sizes)
       total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
@@ -83,8 +96,8 @@ struct Workspace {
       DATTN_THROW_KIND(ErrorKind::out_of_memory,
                        "out of host memory allocating the attention backward workspace");
     float* ptr = mem.get();
-    float** slots[] = {&q, &dout, &k, &v, &p, &ds, &qs, &dos, &ks};
-    for (int i = 0; i < 9; ++i) {
+    float** slots[] = {&q, &dout, &k, &v, &p, &ds};
+    for (int i = 0; i < 6; ++i) {
       *slots[i] = ptr;
       ptr += (sizes[i] + 15) / 16 * 16;
     }
@@ -107,30 +120,44 @@ const float* tile_f32(const void* base, DType dtype, int64_t b, int64_t seq, int
   return buf;
 }
 
-// Tile (b, head, tile) t itself when its rows x cols are all finite; else a copy in buf
-// (leading dimension cols) with the rows that hold NaN or inf zeroed, listed in c.bad. Scans t
-// only when c does not already hold this tile's answer (and buf its copy).
+// Tile (b, head, tile) t itself when its rows x cols are all finite; else a copy in buf, at t's
+// leading dimension, with the rows that hold NaN or inf zeroed, listed in c.bad, and on the bf16
+// GEMM path (t.raw) the same copy of the raw rows in raw_buf, so that a pair's GEMMs have the
+// same shapes and path whatever the values. Scans t only when c does not already hold this
+// tile's answer (and the buffers its copies).
 Tile sanitised(TileCheck& c, int64_t b, int64_t head, int64_t tile, Tile t, int64_t rows,
-               int64_t cols, float* buf) {
+               int64_t cols, std::vector<float>& buf, std::vector<uint16_t>& raw_buf) {
   if (c.b != b || c.head != head || c.tile != tile) {
     c.b = b;
     c.head = head;
     c.tile = tile;
     c.bad.clear();
     if (!all_finite(t.ptr, rows, cols, t.ld)) {
+      buf.resize(size_t(rows * t.ld));
+      if (t.raw != nullptr) raw_buf.resize(size_t(rows * t.raw_ld));
       for (int64_t r = 0; r < rows; ++r) {
         const float* src = t.ptr + r * t.ld;
-        float* dst = buf + r * cols;
-        if (all_finite(src, cols)) {
+        float* dst = buf.data() + r * t.ld;
+        const bool ok = all_finite(src, cols);
+        if (ok) {
           std::copy(src, src + cols, dst);
         } else {
           std::fill(dst, dst + cols, 0.f);
           c.bad.push_back(r);
         }
+        if (t.raw != nullptr) {
+          const uint16_t* raw_src = t.raw + r * t.raw_ld;
+          uint16_t* raw_dst = raw_buf.data() + r * t.raw_ld;
+          if (ok)
+            std::copy(raw_src, raw_src + cols, raw_dst);
+          else
+            std::fill(raw_dst, raw_dst + cols, uint16_t(0));
+        }
       }
     }
   }
-  return c.bad.empty() ? t : Tile{buf, cols};
+  if (c.bad.empty()) return t;
+  return Tile{buf.data(), t.ld, t.raw != nullptr ? raw_buf.data() : nullptr, t.raw_ld};
 }
 
 // Whether column 0 of x[rows, cols] (leading dimension cols) is finite.
@@ -150,11 +177,46 @@ struct Problem {
   const float* delta;
   int64_t B, Hq, Hkv, D, Dv, group, q_len, k_len, q_tiles, k_tiles;
   GemmPath path;  // of the fp32 tile GEMMs
+  // bf16 inputs and output gradient on a CPU that multiplies bf16 at full speed: the GEMMs read
+  // them in place (Tile::raw), and P and dS enter as two bf16 terms each, as in the forward.
+  bool bf16_gemms;
 
   // C[M, N] = alpha A B (+ C when accumulate), fp32.
   void gemm(int64_t M, int64_t N, int64_t K, float alpha, const GemmOperand& A,
             const GemmOperand& B, bool accumulate, float* C, int64_t ldc) const {
     tile_gemm(path, DType::f32, M, N, K, alpha, A, B, accumulate, C, ldc);
+  }
+  // C = alpha A B^T (+ C) of two tiles: in bf16 where both have their raw rows, else fp32.
+  void gemm_abt(int64_t M, int64_t N, int64_t K, float alpha, const Tile& A, const Tile& B,
+                bool accumulate, float* C, int64_t ldc) const {
+    if (A.raw != nullptr && B.raw != nullptr)
+      tile_gemm(GemmPath::onednn, DType::bf16, M, N, K, alpha, {A.raw, A.raw_ld},
+                {B.raw, B.raw_ld, true}, accumulate, C, ldc);
+    else
+      gemm(M, N, K, alpha, {A.ptr, A.ld}, {B.ptr, B.ld, true}, accumulate, C, ldc);
+  }
+  // C += alpha op(X) B, X fp32 [bq, bk] (leading dimension bk; op: transposed when trans). Where
+  // B has its raw bf16 rows, X is split into hi + lo once (split) and both terms are multiplied
+  // in bf16; else one fp32 GEMM.
+  void gemm_x(int64_t M, int64_t N, int64_t K, float alpha, const float* X, int64_t bq, int64_t bk,
+              bool trans, std::vector<uint16_t>& hi, std::vector<uint16_t>& lo, bool& split,
+              const Tile& B, float* C, int64_t ldc) const {
+    if (B.raw == nullptr) {
+      gemm(M, N, K, alpha, {X, bk, trans}, {B.ptr, B.ld}, true, C, ldc);
+      return;
+    }
+    if (!split) split_bf16(X, bq * bk, hi.data(), lo.data());
+    split = true;
+    for (const uint16_t* term : {hi.data(), lo.data()})
+      tile_gemm(GemmPath::onednn, DType::bf16, M, N, K, alpha, {term, bk, trans}, {B.raw, B.raw_ld},
+                true, C, ldc);
+  }
+  // A tile's rows in the bf16 tensor itself, on the bf16 GEMM path.
+  void set_raw(Tile& t, const void* base, int64_t b, int64_t seq, int64_t heads, int64_t h,
+               int64_t dim, int64_t row0) const {
+    if (!bf16_gemms) return;
+    t.raw = static_cast<const uint16_t*>(base) + ((b * seq + row0) * heads + h) * dim;
+    t.raw_ld = heads * dim;
   }
 
   int64_t q_pos(int64_t i) const { return blk.q_position(i); }  // i: row of the block
@@ -176,24 +238,28 @@ struct Problem {
     Tile t;
     t.ptr = tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it), q_rows(it),
                      ws.q, &t.ld);
+    set_raw(t, blk.q, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it));
     return t;
   }
   Tile dout_tile(Workspace& ws, int64_t b, int64_t h, int64_t it) const {
     Tile t;
     t.ptr = tile_f32(dout, dout_dtype, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it),
                      q_rows(it), ws.dout, &t.ld);
+    set_raw(t, dout, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it));
     return t;
   }
   Tile k_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
     Tile t;
     t.ptr = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.k, &t.ld);
+    set_raw(t, blk.k, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt));
     return t;
   }
   Tile v_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
     Tile t;
     t.ptr = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.v, &t.ld);
+    set_raw(t, blk.v, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt));
     return t;
   }
 
@@ -229,11 +295,12 @@ struct Problem {
     ws.k_use = K;
     ws.q_bad = ws.dout_bad = ws.k_bad = nullptr;
     ws.dirty = false;
+    ws.p_split = ws.ds_split = false;
     // S = scale * Q K^T [bq, bk], rounded like the forward's.
-    gemm(bq, bk, D, blk.scale, {Q.ptr, Q.ld}, {K.ptr, K.ld, true}, false, ws.p, bk);
+    gemm_abt(bq, bk, D, blk.scale, Q, K, false, ws.p, bk);
     if (partial && !(all_finite(ws.p, bk) && column0_finite(ws.p, bq, bk))) {  // Q or K: which rows
-      ws.q_use = sanitised(ws.q_check, b, h, it, Q, bq, D, ws.qs);
-      ws.k_use = sanitised(ws.k_check, b, h / group, jt, K, bk, D, ws.ks);
+      ws.q_use = sanitised(ws.q_check, b, h, it, Q, bq, D, ws.qs, ws.qs16);
+      ws.k_use = sanitised(ws.k_check, b, h / group, jt, K, bk, D, ws.ks, ws.ks16);
       if (!ws.q_check.bad.empty()) ws.q_bad = &ws.q_check.bad;
       if (!ws.k_check.bad.empty()) ws.k_bad = &ws.k_check.bad;
     }
@@ -281,9 +348,9 @@ struct Problem {
     }
     if (!any) return false;
     // dP = dO V^T [bq, bk]
-    gemm(bq, bk, Dv, 1.f, {dO.ptr, dO.ld}, {V.ptr, V.ld, true}, false, ws.ds, bk);
+    gemm_abt(bq, bk, Dv, 1.f, dO, V, false, ws.ds, bk);
     if (partial && !column0_finite(ws.ds, bq, bk)) {  // dO holds NaN or inf (or V row 0): rows
-      ws.dout_use = sanitised(ws.dout_check, b, h, it, dO, bq, Dv, ws.dos);
+      ws.dout_use = sanitised(ws.dout_check, b, h, it, dO, bq, Dv, ws.dos, ws.dos16);
       if (!ws.dout_check.bad.empty()) ws.dout_bad = &ws.dout_check.bad;
     }
     ws.dirty = ws.q_bad != nullptr || ws.dout_bad != nullptr || ws.k_bad != nullptr;
@@ -364,11 +431,11 @@ struct Problem {
         const Tile Q = q_tile(ws, b, h, it), dO = dout_tile(ws, b, h, it);
         if (!p_and_ds(ws, b, h, it, jt, cover, Q, dO, K, V)) continue;
         // dV += P^T dO [bk, Dv]
-        gemm(bk, Dv, bq, 1.f, {ws.p, bk, true}, {ws.dout_use.ptr, ws.dout_use.ld}, true, dv_t,
-             Hkv * Dv);
+        gemm_x(bk, Dv, bq, 1.f, ws.p, bq, bk, true, ws.p_hi, ws.p_lo, ws.p_split, ws.dout_use, dv_t,
+               Hkv * Dv);
         // dK += scale dS^T Q [bk, D]
-        gemm(bk, D, bq, blk.scale, {ws.ds, bk, true}, {ws.q_use.ptr, ws.q_use.ld}, true, dk_t,
-             Hkv * D);
+        gemm_x(bk, D, bq, blk.scale, ws.ds, bq, bk, true, ws.ds_hi, ws.ds_lo, ws.ds_split, ws.q_use,
+               dk_t, Hkv * D);
         if (ws.dirty) add_bad_rows_dk_dv(ws, bk, Q, dO, dk_t, dv_t);
         if (dq != nullptr) query_update(ws, b, h, it, jt, K, dq);
       }
@@ -378,11 +445,12 @@ struct Problem {
   // dQ += scale dS K [bq, D] for query tile it of head h, key tile jt (dS in ws.ds, and the
   // operand p_and_ds chose in ws.k_use); in a dirty pair, then the pairs (P != 0) of the K rows
   // it zeroed, one by one, with the tile's own values.
-  void query_update(const Workspace& ws, int64_t b, int64_t h, int64_t it, int64_t jt, Tile K,
+  void query_update(Workspace& ws, int64_t b, int64_t h, int64_t it, int64_t jt, Tile K,
                     float* dq) const {
     const int64_t bq = q_rows(it), bk = k_rows(jt);
     float* dq_t = dq_at(dq, b, h, it);
-    gemm(bq, D, bk, blk.scale, {ws.ds, bk}, {ws.k_use.ptr, ws.k_use.ld}, true, dq_t, Hq * D);
+    gemm_x(bq, D, bk, blk.scale, ws.ds, bq, bk, false, ws.ds_hi, ws.ds_lo, ws.ds_split, ws.k_use,
+           dq_t, Hq * D);
     if (!ws.dirty) return;
     if (ws.k_bad != nullptr)
       for (int64_t j : *ws.k_bad)
@@ -461,7 +529,9 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
                    k_len,
                    (q_len + kBwdTileQ - 1) / kBwdTileQ,
                    (k_len + kBwdTileK - 1) / kBwdTileK,
-                   gemm_path(DType::f32)};
+                   gemm_path(DType::f32),
+                   blk.dtype == DType::bf16 && dout_dtype == DType::bf16 &&
+                       gemm_path(DType::bf16) == GemmPath::onednn};
 
   // Whole block hidden by the mask: nothing to do.
   if (blk.mask.cover(std::min(pr.q_pos(0), pr.q_pos(q_len - 1)),

@@ -42,7 +42,6 @@ struct Workspace {
   float* q = nullptr;               // [kTileQ, D]   converted queries (16-bit inputs only)
   float* k = nullptr;               // [kTileK, D]   converted keys
   float* v = nullptr;               // [kTileK, Dv]  converted values
-  float* vs = nullptr;              // [kTileK, Dv]  values with non-finite rows zeroed (rare)
   float* s = nullptr;               // [kTileQ, kTileK] scores, then probabilities
   float* o = nullptr;               // [kTileQ, Dv]  unnormalised output accumulator
   float* o_saved = nullptr;         // [kTileQ, Dv]  o before a partially masked tile's O += P V
@@ -52,30 +51,32 @@ struct Workspace {
   uint16_t* p_lo = nullptr;         // [kTileQ, kTileK] bf16 P - P_hi rounded (bf16 path)
   std::vector<int64_t> kpos, kdoc;  // [kTileK] key positions and documents of a masked tile
   std::vector<int64_t> bad;         // rows of V holding NaN or inf (add_pv_sanitised)
+  // V with those rows zeroed (rare), at V's own leading dimension (the GEMM kernels' blocking,
+  // and so the bits of the clean rows, depend on it). Sized when first needed.
+  std::vector<char> vs;
 
   Workspace(int64_t d, int64_t dv) : kpos(size_t(kTileK)), kdoc(size_t(kTileK)) {
     // In floats (p_hi and p_lo take half a float an element), each piece 64-byte aligned.
-    const int64_t sizes[] = {kTileQ * d,      kTileK * d,          kTileK * dv,        kTileK * dv,
-                             kTileQ * kTileK, kTileQ * dv,         kTileQ * dv,        kTileQ,
-                             kTileQ,          kTileQ * kTileK / 2, kTileQ * kTileK / 2};
+    const int64_t sizes[] = {kTileQ * d,          kTileK * d,         kTileK * dv, kTileQ * kTileK,
+                             kTileQ * dv,         kTileQ * dv,        kTileQ,      kTileQ,
+                             kTileQ * kTileK / 2, kTileQ * kTileK / 2};
     int64_t total = 0;
     for (int64_t sz : sizes)
-      total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
+      total += (sz + 15) / 16 * 16;
     mem.reset(static_cast<float*>(std::aligned_alloc(64, size_t(total) * sizeof(float))));
     if (!mem)
       DATTN_THROW_KIND(ErrorKind::out_of_memory,
                        "out of host memory allocating the attention workspace");
+    float* pieces[10];
     float* p = mem.get();
-    float** slots[] = {&q, &k, &v, &vs, &s, &o, &o_saved, &m};
-    for (int i = 0; i < 8; ++i) {
-      *slots[i] = p;
+    for (int i = 0; i < 10; ++i) {
+      pieces[i] = p;
       p += (sizes[i] + 15) / 16 * 16;
     }
-    l = p;
-    p += (sizes[8] + 15) / 16 * 16;
-    p_hi = reinterpret_cast<uint16_t*>(p);
-    p += (sizes[9] + 15) / 16 * 16;
-    p_lo = reinterpret_cast<uint16_t*>(p);
+    q = pieces[0], k = pieces[1], v = pieces[2], s = pieces[3], o = pieces[4];
+    o_saved = pieces[5], m = pieces[6], l = pieces[7];
+    p_hi = reinterpret_cast<uint16_t*>(pieces[8]);
+    p_lo = reinterpret_cast<uint16_t*>(pieces[9]);
   }
 };
 
@@ -170,18 +171,18 @@ float value_at(const Tiles& t, const GemmOperand& V, int64_t r, int64_t c) {
 void add_pv_sanitised(const Tiles& t, Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V,
                       int64_t Dv) {
   ws.bad.clear();
-  const size_t row_bytes = size_t(Dv) * t.elem();
-  char* vs = reinterpret_cast<char*>(ws.vs);
+  const size_t row_bytes = size_t(Dv) * t.elem(), ld_bytes = size_t(V.ld) * t.elem();
+  ws.vs.resize(size_t(bk) * ld_bytes);
   for (int64_t j = 0; j < bk; ++j) {
-    char* dst = vs + size_t(j) * row_bytes;
+    char* dst = ws.vs.data() + size_t(j) * ld_bytes;
     if (row_finite(t, V, j, Dv)) {
-      std::memcpy(dst, static_cast<const char*>(V.ptr) + size_t(j * V.ld) * t.elem(), row_bytes);
+      std::memcpy(dst, static_cast<const char*>(V.ptr) + size_t(j) * ld_bytes, row_bytes);
     } else {
       std::memset(dst, 0, row_bytes);
       ws.bad.push_back(j);
     }
   }
-  t.add_pv(ws, bq, bk, {ws.vs, Dv}, Dv);
+  t.add_pv(ws, bq, bk, {ws.vs.data(), V.ld}, Dv);
   for (int64_t j : ws.bad)
     for (int64_t i = 0; i < bq; ++i) {
       const float p = ws.s[i * bk + j];

@@ -219,6 +219,17 @@ struct Problem {
     t.raw_ld = heads * dim;
   }
 
+  // An fp32 tile in place with rows strided by the other heads, copied dense into buf on the
+  // oneDNN path: oneDNN runs its brgemm kernels only on dense operands (see the forward's
+  // Tiles::rows).
+  void dense(Tile& t, int64_t rows, int64_t dim, float* buf) const {
+    if (path != GemmPath::onednn || t.ld == dim) return;
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(t.ptr + r * t.ld, t.ptr + r * t.ld + dim, buf + r * dim);
+    t.ptr = buf;
+    t.ld = dim;
+  }
+
   int64_t q_pos(int64_t i) const { return blk.q_position(i); }  // i: row of the block
   int64_t k_pos(int64_t j) const { return blk.k_position(j); }
   // Query tile it: first block row and rows.
@@ -238,6 +249,7 @@ struct Problem {
     Tile t;
     t.ptr = tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it), q_rows(it),
                      ws.q, &t.ld);
+    dense(t, q_rows(it), D, ws.q);
     set_raw(t, blk.q, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it));
     return t;
   }
@@ -245,6 +257,7 @@ struct Problem {
     Tile t;
     t.ptr = tile_f32(dout, dout_dtype, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it),
                      q_rows(it), ws.dout, &t.ld);
+    dense(t, q_rows(it), Dv, ws.dout);
     set_raw(t, dout, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it));
     return t;
   }
@@ -252,6 +265,7 @@ struct Problem {
     Tile t;
     t.ptr = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.k, &t.ld);
+    dense(t, k_rows(jt), D, ws.k);
     set_raw(t, blk.k, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt));
     return t;
   }
@@ -259,6 +273,7 @@ struct Problem {
     Tile t;
     t.ptr = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.v, &t.ld);
+    dense(t, k_rows(jt), Dv, ws.v);
     set_raw(t, blk.v, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt));
     return t;
   }

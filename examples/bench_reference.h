@@ -210,10 +210,11 @@ struct DecodeCheck {
         }
   }
   // {"checked", "wrong", "max_err_out", "max_err_lse"}.
-  std::string json() const {
-    report::JsonObject j;
-    j.add("checked", int64_t(out.checked + lse.checked)).add("wrong", int64_t(wrong()));
-    return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
+  report::Json json() const {
+    return {{"checked", out.checked + lse.checked},
+            {"wrong", wrong()},
+            {"max_err_out", out.max_err},
+            {"max_err_lse", lse.max_err}};
   }
   // Summed (errors: maxed) over every rank of MPI_COMM_WORLD. Collective.
   DecodeCheck reduced() const { return {out.reduced(), lse.reduced()}; }

@@ -127,12 +127,13 @@ std::vector<std::string> method_cells(const Method& m, uint64_t cache, double ra
 struct Accuracy {
   double rel_l2 = 0, max_abs = 0;  // ||out - exact|| / ||exact||, max |out - exact|
   CheckStats f64;
-  std::string json() const {
-    report::JsonObject j;
-    j.add("rel_l2", rel_l2).add("max_abs", max_abs);
-    if (f64.checked > 0) j.add("f64_checked_elements", int64_t(f64.checked));
-    if (f64.checked > 0) j.add("f64_wrong", int64_t(f64.wrong)).add("f64_max_err", f64.max_err);
-    return j.str();
+  report::Json json() const {
+    report::Json j = {{"rel_l2", rel_l2}, {"max_abs", max_abs}};
+    if (f64.checked > 0)
+      j.update({{"f64_checked_elements", f64.checked},
+                {"f64_wrong", f64.wrong},
+                {"f64_max_err", f64.max_err}});
+    return j;
   }
 };
 
@@ -208,15 +209,25 @@ class Mla final : public Workload {
     return lines;
   }
 
-  void config_json(report::JsonObject& c) const override {
-    c.add("context", S_).add("batch", B_).add("new_tokens", Sq_).add("q_pos0", S_ - Sq_);
-    c.add("mask", "causal").add("steps", e_.iters).add("heads", cfg_.heads);
-    c.add("latent", cfg_.latent).add("rope", cfg_.rope).add("qk_nope", cfg_.qk_nope);
-    c.add("v_head", cfg_.v_head).add("softmax_scale", double(cfg_.scale()));
-    c.add("weight_seed", int64_t(kWeightSeed)).add("outliers", outliers_);
-    c.add("outlier_std_factor", double(kOutlierFactor));
-    c.add_raw("outlier_channels", report::json_array(channel_names_));
-    c.add("calibration", calibration_).add("check_heads_per_rank", kCheckHeads);
+  void config_json(report::Json& c) const override {
+    c.update({{"context", S_},
+              {"batch", B_},
+              {"new_tokens", Sq_},
+              {"q_pos0", S_ - Sq_},
+              {"mask", "causal"},
+              {"steps", e_.iters},
+              {"heads", cfg_.heads},
+              {"latent", cfg_.latent},
+              {"rope", cfg_.rope},
+              {"qk_nope", cfg_.qk_nope},
+              {"v_head", cfg_.v_head},
+              {"softmax_scale", double(cfg_.scale())},
+              {"weight_seed", kWeightSeed},
+              {"outliers", outliers_},
+              {"outlier_std_factor", double(kOutlierFactor)},
+              {"outlier_channels", channels_},
+              {"calibration", calibration_},
+              {"check_heads_per_rank", kCheckHeads}});
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -231,7 +242,7 @@ class Mla final : public Workload {
 
   std::vector<Case> cases(const Bench&) const override { return {{0, cat("mla context ", S_), 0}}; }
   std::vector<Row> run(Bench& b, const Case&) override;
-  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override;
+  void finish(Bench& b, const std::vector<Row>& rows, report::Json& top) override;
   void plan(Plan& p) const override;
 
  private:
@@ -380,36 +391,40 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     for (const Accuracy& a : res.acc)
       row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
     row.cells.push_back(wrong_cell(row));
-    report::JsonObject& x = row.extra;
-    x.add("method", m.label).add("parallel", mla_parallel_name(m.parallel));
-    x.add("transform", latent_transform_name(m.transform)).add("rope", m.rope());
-    x.add("scale_logits_by_g", m.opt.scale_logits_by_g)
-        .add("cache_bytes_per_rank_model", int64_t(cache));
-    x.add("cache_bytes_per_rank_held", int64_t(res.cache_held));
-    x.add("cache_ratio_vs_head_split", cache_ratio(m));
-    x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
-    x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
-    x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_numbers(res.t.step_ms));
-    if (res.t.kernel_gbs >= 0) x.add("kernel_gbs", res.t.kernel_gbs);
+    report::Json& x = row.extra = {{"method", m.label},
+                                   {"parallel", mla_parallel_name(m.parallel)},
+                                   {"transform", latent_transform_name(m.transform)},
+                                   {"rope", m.rope()},
+                                   {"scale_logits_by_g", m.opt.scale_logits_by_g},
+                                   {"cache_bytes_per_rank_model", cache},
+                                   {"cache_bytes_per_rank_held", res.cache_held},
+                                   {"cache_ratio_vs_head_split", cache_ratio(m)},
+                                   {"sent_kb_per_rank_per_step", sent_kb},
+                                   {"model_kb_per_rank_per_step", model_kb},
+                                   {"byte_mismatches", res.byte_mismatches},
+                                   {"mean_ms", res.t.step_mean_ms},
+                                   {"p50_ms", res.t.p50_ms},
+                                   {"step_ms", res.t.step_ms}};
+    if (res.t.kernel_gbs >= 0) x["kernel_gbs"] = res.t.kernel_gbs;
     for (int k = 0; k < int(std::size(kKinds)); ++k)
-      x.add_raw(kKinds[k].key, res.acc[k].json());
-    x.add("exact_wrong", int64_t(res.exact_wrong));
+      x[kKinds[k].key] = res.acc[k].json();
+    x["exact_wrong"] = res.exact_wrong;
   }
   return rows;
 }
 
-void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
+void Mla::finish(Bench& b, const std::vector<Row>&, report::Json& top) {
   if (b.root()) {
-    report::print_footer_line(stdout, "Cache model mismatches",
+    report::print_footer_line("Cache model mismatches",
                               cat(cache_wrong_, " (shards that hold other than ",
                                   "mla_cache_bytes_per_token * context * batch)"));
     report::print_footer_line(
-        stdout, "Not exact",
+        "Not exact",
         cat(exact_wrong_, " (head_split", G_ == 1 ? " and every tpla row" : "",
             ", per input kind, over ", sci(kExactRelTol, 0), " relative L2 from exact MLA)"));
     if (e_.check)
       report::print_footer_line(
-          stdout, "vs float64",
+          "vs float64",
           cat(f64_wrong_, " wrong (", kCheckHeads, " heads per rank, within ", kTol.abs, " + ",
               kTol.rel, "*|ref| of its rule); max |err| ", sci(f64_max_, 2)));
   }
@@ -422,10 +437,12 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
              " (target <= 0.33 at G = 4: (", dc, "/4+", dr, ")/", dc + dr, " = ", fixed(target, 3),
              ")", verdict(G_ == 4, cache_met, " (this run is not G = 4)"), "; split rope ",
              fixed(split, 3)));
-  report::JsonObject jcache, jout;
-  jcache.add("tpla_over_head_split", ratio).add("split_rope_over_head_split", split);
-  jcache.add("target_at_4_ranks", target).add("this_run_is_target", G_ == 4);
-  if (G_ == 4) jcache.add("met", cache_met);
+  report::Json& jcache = top["cache_target"] = {{"tpla_over_head_split", ratio},
+                                                {"split_rope_over_head_split", split},
+                                                {"target_at_4_ranks", target},
+                                                {"this_run_is_target", G_ == 4}};
+  if (G_ == 4) jcache["met"] = cache_met;
+  report::Json& jout = top["outlier_target"] = report::Json::object();
   for (int k : {1, 2}) {  // the outlier kinds' target: hadamard < none
     const bool met = err(kHadamard, k) < err(kNone, k);
     b.note(cat(k == 1 ? "outlier latents" : "outlier latents, aligned queries (outliers dominate",
@@ -434,20 +451,20 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
                verdict(G_ > 1, met, " (G = 1: every row is exact MLA)"), "; pca ",
                sci(err(kPca, k), 1)));
     const std::string p = k == 1 ? "" : "aligned_";
-    jout.add(p + "tpla_none_rel_err", err(kNone, k));
-    jout.add(p + "tpla_hadamard_rel_err", err(kHadamard, k))
-        .add(p + "tpla_pca_rel_err", err(kPca, k));
-    if (k == 1) jout.add("target", "hadamard < none");
-    if (G_ > 1) jout.add(p + "met", met);
+    jout[p + "tpla_none_rel_err"] = err(kNone, k);
+    jout[p + "tpla_hadamard_rel_err"] = err(kHadamard, k),
+             jout[p + "tpla_pca_rel_err"] = err(kPca, k);
+    if (k == 1) jout["target"] = "hadamard < none";
+    if (G_ > 1) jout[p + "met"] = met;
   }
   const Timing &hs = results_[kHeadSplit].t, &none = results_[kNone].t;
   b.note(cat("tpla none / head_split latency ", fixed(none.step_mean_ms / hs.step_mean_ms, 2),
              " (mean), bytes/step ",
              hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
-  top.add_raw("cache_target", jcache.str()).add_raw("outlier_target", jout.str());
-  top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
-  top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
-  top.add("f64_wrong", int64_t(f64_wrong_));
+  top.update({{"tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms},
+              {"cache_mismatches", cache_wrong_},
+              {"exact_wrong", exact_wrong_},
+              {"f64_wrong", f64_wrong_}});
   std::vector<std::pair<std::string, double>> kernels;  // the latent decode of each method
   for (size_t i = 0; i < std::size(kMethods); ++i)
     kernels.push_back({kMethods[i].label, results_[i].t.kernel_gbs});

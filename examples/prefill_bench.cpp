@@ -111,12 +111,15 @@ class Prefill final : public Workload {
     return r;
   }
 
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("strategy", strategy_name(strategy_)).add("ulysses_degree", ulysses_);
-    cfg.add("layout", problem_.layout()).add("stripe_block", problem_.stripe_block());
-    cfg.add("documents", problem_.documents()).add("mask", problem_.mask_desc(seqs_.front()));
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"strategy", strategy_name(strategy_)},
+                {"ulysses_degree", ulysses_},
+                {"layout", problem_.layout()},
+                {"stripe_block", problem_.stripe_block()},
+                {"documents", problem_.documents()},
+                {"mask", problem_.mask_desc(seqs_.front())}});
     shape_.json(cfg);
-    cfg.add("pass", backward_ ? "backward" : "forward");
+    cfg["pass"] = backward_ ? "backward" : "forward";
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
@@ -180,13 +183,17 @@ class Prefill final : public Workload {
     row.result.tflops_per_rank = tflops;
     row.take_bytes(tm);
     const double imbal = flop_spread(p).imbalance;
-    row.extra.add("local_seq", p.layout.max_local_len()).add("imbalance", imbal);
-    row.extra.add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
-    if (b.check()) {
-      const auto [out, lse] = check_rows(to_host(res), p, r, t, b.per_gpu());
-      const auto [o, l] = row.take_check(out, lse);
-      max_err_out_ = std::max(max_err_out_, o.max_err);
-      max_err_lse_ = std::max(max_err_lse_, l.max_err);
+    row.extra = {{"local_seq", p.layout.max_local_len()},
+                 {"imbalance", imbal},
+                 {"byte_mismatch_ranks", tm.byte_mismatches}};
+    if (b.check()) {  // this rank's sample, reduced over every rank
+      const DecodeCheck c = check_rows(to_host(res), p, r, t, b.per_gpu()).reduced();
+      row.result.wrong = int64_t(c.wrong());
+      row.extra.update({{"checked_elements", c.out.checked + c.lse.checked},
+                        {"max_err_out", c.out.max_err},
+                        {"max_err_lse", c.lse.max_err}});
+      max_err_out_ = std::max(max_err_out_, c.out.max_err);
+      max_err_lse_ = std::max(max_err_lse_, c.lse.max_err);
     }
     row.cells = {std::to_string(S),     std::to_string(p.layout.max_local_len()),
                  fixed(tm.mean_ms, 3),  fixed(tflops, 4),
@@ -195,25 +202,25 @@ class Prefill final : public Workload {
     return {row};
   }
 
-  void finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) override {
+  void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
     const int P = b.rt().cp_size();
     const int64_t S = seqs_.back();
-    report::JsonObject lb;
+    report::Json lb;
     std::string line =
         cat("load balance (max/mean per-rank FLOPs, model, seq ", S, ", ", problem_.mask_desc(S),
             ", ", strategy_name(strategy_), " U ", ulysses_, "):");
     const bool masked = problem_.mask() != "none";
     if (masked) {
-      lb.add("seq", S).add("mask", problem_.mask_desc(S));
+      lb = {{"seq", S}, {"mask", problem_.mask_desc(S)}};
       std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
       if (problem_.documents() > 0) kinds.push_back("varlen");
       for (const std::string& kind : kinds) {
         const double v =
             flop_spread(problem_.make(heads(), S, P, kind, problem_.mask(), 1)).imbalance;
         line += cat(" ", kind, kind == "striped" ? "(1) " : " ", fixed(v, 2));
-        lb.add(kind, v);
+        lb[kind] = v;
       }
-      top.add_raw("load_balance", lb.str());
+      top["load_balance"] = lb;
     }
     if (!b.root()) return;
     std::printf(
@@ -301,9 +308,9 @@ class Prefill final : public Workload {
   }
 
   // kSampleRows local rows spread over the shard (first and last included) against a float64
-  // attention over the keys their mask band can see (bench_reference.h); (out, lse) statistics.
-  std::pair<CheckStats, CheckStats> check_rows(const Partial& res, const Problem& p, int rank,
-                                               int tp_rank, bool gpu) const {
+  // attention over the keys their mask band can see (bench_reference.h); this rank's statistics.
+  DecodeCheck check_rows(const Partial& res, const Problem& p, int rank, int tp_rank,
+                         bool gpu) const {
     const int64_t len = p.layout.local_len(rank), S = p.layout.global_seq();
     const AttnSpec& spec = p.spec;
     const int64_t H = spec.heads_q, Dv = spec.dim_v(), n = std::min(kSampleRows, len);
@@ -332,7 +339,7 @@ class Prefill final : public Workload {
     const auto [tol_out, tol_lse] = tolerance(gpu);
     DecodeCheck c;
     c.compare(res, ref.out.data(), ref.lse.data(), H, 0, tol_out, tol_lse, &rows);
-    return {c.out, c.lse};
+    return c;
   }
 
   Shape shape_{.dtype_name = "bf16"};

@@ -78,10 +78,15 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
   row.in_json = false;  // finish writes these rows into the JSON's "accuracy"
   row.byte_checked = true, row.byte_mismatches = byte_mismatches;
   row.result.wrong = exact0 ? 0 : 1;
-  row.extra.add("sink", sink).add("anchor", anchor).add("rel_err_out", err);
-  row.extra.add("lse_mean_abs_err", lse).add("rank0_rel_err_out", err0);
-  row.extra.add("rank0_lse_max_abs_err", lse0).add("rank0_exact", exact0);
-  row.extra.add("byte_mismatches", int64_t(byte_mismatches)).add("wrong", int64_t(row.wrong()));
+  row.extra = {{"sink", sink},
+               {"anchor", anchor},
+               {"rel_err_out", err},
+               {"lse_mean_abs_err", lse},
+               {"rank0_rel_err_out", err0},
+               {"rank0_lse_max_abs_err", lse0},
+               {"rank0_exact", exact0},
+               {"byte_mismatches", byte_mismatches},
+               {"wrong", row.wrong()}};
   const std::string inputs = sink != 0 ? cat("sink ", fixed(sink, 1)) : "no sink";
   row.cells = {inputs,      std::to_string(anchor), sci(err, 3),
                sci(lse, 3), sci(err0, 2),           wrong_cell(row)};
@@ -143,10 +148,10 @@ class StarWorkload final : public Workload {
     return lines;
   }
 
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("seq", seq_).add("block", block_).add("anchor", anchor_).add("mask", "causal");
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"seq", seq_}, {"block", block_}, {"anchor", anchor_}, {"mask", "causal"}});
     shape_.json(cfg);
-    cfg.add("new_tokens", new_tokens_).add("steps", steps_).add("sink", sink_);
+    cfg.update({{"new_tokens", new_tokens_}, {"steps", steps_}, {"sink", sink_}});
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -175,7 +180,7 @@ class StarWorkload final : public Workload {
     if (c.index <= 1) return {run_phase1(b, c.index == 0)};
     return c.index == 2 ? run_accuracy(b) : run_phase2(b);
   }
-  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override;
+  void finish(Bench& b, const std::vector<Row>& rows, report::Json& top) override;
   void plan(Plan& p) const override;
 
  private:
@@ -197,7 +202,7 @@ class StarWorkload final : public Workload {
     row.result.tflops_per_rank = flops / rt.cp_size() / (time_ms * 1e-3) / 1e12;
     row.result.wrong = int64_t(wrong);
     row.take_bytes(t);
-    row.extra.add("phase", phase);
+    row.extra["phase"] = phase;
     return row;
   }
   Row run_phase1(Bench& b, bool star);
@@ -242,8 +247,9 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
   const double total = star ? sum : attention_flops(shape_.batch, seq_, seq_, spec_);
   Row row =
       timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms, total, 0, t);
-  row.extra.add("model_gflop_max", max / 1e9).add("imbalance", imbalance);
-  row.extra.add("byte_mismatches", int64_t(t.byte_mismatches));
+  row.extra.update({{"model_gflop_max", max / 1e9},
+                    {"imbalance", imbalance},
+                    {"byte_mismatches", t.byte_mismatches}});
   row.cells = {
       row.result.strategy,  star ? cat("blocks(b=", block_, ",a=", anchor_, ")") : "zigzag",
       fixed(t.mean_ms, 2),  fixed(t.sent_mb, 3),
@@ -338,8 +344,9 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     Row& row = rows.emplace_back(
         timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
                   attention_flops(shape_.batch, new_tokens_, seq_, unmasked), wrong, t[i]));
-    row.extra.add("p50_ms", t[i].p50_ms).add("byte_mismatches", int64_t(row.byte_mismatches));
-    row.extra.add("wrong_check", int64_t(wrong));
+    row.extra.update({{"p50_ms", t[i].p50_ms},
+                      {"byte_mismatches", row.byte_mismatches},
+                      {"wrong_check", wrong}});
     row.cells = {
         i == 0 ? "star" : "tree", std::to_string(seq_),         fixed(t[i].step_mean_ms, 3),
         fixed(t[i].p50_ms, 3),    fixed(t[i].sent_mb * 1e3, 3), fixed(t[i].model_mb * 1e3, 3),
@@ -348,7 +355,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   return rows;
 }
 
-void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
+void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   const double star = rows[0].result.time_ms, ring = rows[1].result.time_ms;
   const double star2 = rows[rows.size() - 2].result.time_ms, tree = rows.back().result.time_ms;
   const double measured = ring / star, model = gflop_max_[1] / gflop_max_[0];
@@ -359,9 +366,9 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
   if (b.check() && b.root()) {
     b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSame.abs, " + ",
                kSame.rel, "*|tree|, both vs float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|"));
-    report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
-    report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
-    report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
+    report::print_footer_line("star vs tree", vs_tree_.line("diff"));
+    report::print_footer_line("star vs float64", vs_ref_[0].line("err"));
+    report::print_footer_line("tree vs float64", vs_ref_[1].line("err"));
   }
   b.note(cat("phase 1: star ", fixed(star, 2), " ms, ring (zigzag) ", fixed(ring, 2),
              " ms, measured ", fixed(measured, 2), " faster, model ", fixed(model, 2),
@@ -369,24 +376,25 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
              verdict(target, measured >= 4, " (not the target configuration)")));
   b.note(cat("phase 2: star_decode ", fixed(star2, 3), " ms/step, tree ", fixed(tree, 3),
              " ms/step: star/tree ", fixed(star2 / tree, 2)));
-  std::vector<std::string> acc;
+  report::Json acc = report::Json::array();
   for (const Row& r : rows)
-    if (!r.in_json) acc.push_back(r.extra.str());
-  report::JsonObject p1, ja, p2, tg;
-  p1.add("measured_speedup", measured).add("model_flop_ratio", model);
-  ja.add("seq", acc_seq_).add("block", acc_block_).add("anchor", acc_anchor_);
-  ja.add("scaled", scaled()).add_raw("rows", report::json_array(acc));
-  p2.add("context", seq_).add("final_length", seq_ + steps_ * new_tokens_);
-  p2.add("star_over_tree_latency", star2 / tree);
+    if (!r.in_json) acc.push_back(r.extra);
+  top["phase1"] = {{"measured_speedup", measured}, {"model_flop_ratio", model}};
+  top["accuracy"] = {{"seq", acc_seq_},
+                     {"block", acc_block_},
+                     {"anchor", acc_anchor_},
+                     {"scaled", scaled()},
+                     {"rows", acc}};
+  report::Json& p2 = top["phase2"] = {{"context", seq_},
+                                      {"final_length", seq_ + steps_ * new_tokens_},
+                                      {"star_over_tree_latency", star2 / tree}};
   if (b.check())
-    p2.add_raw("star_vs_tree", vs_tree_.json())
-        .add_raw("star_vs_float64", vs_ref_[0].json())
-        .add_raw("tree_vs_float64", vs_ref_[1].json());
-  tg.add("ranks", 4).add("seq", int64_t(32768)).add("phase1_speedup", 4.0);
-  tg.add("this_run_is_target", target);
-  if (target) tg.add("met", measured >= 4);
-  top.add_raw("phase1", p1.str()).add_raw("accuracy", ja.str());
-  top.add_raw("phase2", p2.str()).add_raw("target", tg.str());
+    p2.update({{"star_vs_tree", vs_tree_.json()},
+               {"star_vs_float64", vs_ref_[0].json()},
+               {"tree_vs_float64", vs_ref_[1].json()}});
+  top["target"] = {
+      {"ranks", 4}, {"seq", 32768}, {"phase1_speedup", 4.0}, {"this_run_is_target", target}};
+  if (target) top["target"]["met"] = measured >= 4;
 }
 
 // --dry-run: every rank's block of the context, whether it holds the anchor, its heads, its

@@ -23,13 +23,6 @@ namespace {
 using detail::cat;
 using report::fixed;
 
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };  // the hashed inputs of bench_inputs.h
-
-// Against float64, with inputs rounded to the storage dtype on both sides: the CPU kernel computes
-// in fp32 whatever the dtype; the CUDA kernel rounds P to it before O += P V (its out bound is a
-// 16-bit rounding of out), its lse from fp32 scores. Strategies must agree within kSame.
-constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
-
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
 // buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
 // the largest shard's K and V (none on one rank); allgather the whole context's K and V.
@@ -150,11 +143,12 @@ class DecodeWorkload final : public Workload {
     two_level_ = rt.spans_nodes();
     if (b.check() && !ref_) {  // of the checked step, the last one, the same for every strategy
       b.note(cat("check: float64 reference of the last step over all ", final_length(), " keys"));
+      // The CUDA kernel rounds P to the dtype before O += P V (its out bound is a 16-bit
+      // rounding of out), its lse from fp32 scores.
       const bool bf16 = shape_.dtype == DType::bf16, gpu = b.per_gpu();
-      tol_out_ = !gpu ? kTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
-      tol_lse_ = !gpu ? kTol : Tolerance{2e-4, 2e-4};
-      ref_ = decode_reference({B, Sq, shape_.heads, shape_.kv_heads, shape_.head_dim},
-                              final_length(), kQ, kK, kV, HashedRows{shape_.dtype});
+      tol_out_ = !gpu ? kDecodeTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
+      tol_lse_ = !gpu ? kDecodeTol : Tolerance{2e-4, 2e-4};
+      ref_ = decode_reference(shape_, Sq, final_length(), shape_.dtype);
     }
 
     // A fresh cache on the runtime's device (a GPU cache copies the host-generated rows up).
@@ -211,7 +205,8 @@ class DecodeWorkload final : public Workload {
       row.extra["checked_elements"] = vs.out.checked + vs.lse.checked;
       record(row, vs_ref_, vs, "wrong_vs_float64", "err");
       if (first_) {
-        same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSame, kSame);
+        same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSameTol,
+                     kSameTol);
         record(row, vs_first_, same.reduced(), "wrong_vs_first_strategy", "diff");
       }
       if (!first_) first_ = got;
@@ -234,8 +229,8 @@ class DecodeWorkload final : public Workload {
                             final_length(), " keys)"));
       if (vs_first_.out.checked > 0)
         report::print_footer_line("strategies agree",
-                                  cat(vs_first_.line("diff"), " (within ", kSame.abs, " + ",
-                                      kSame.rel, "*|first strategy|)"));
+                                  cat(vs_first_.line("diff"), " (within ", kSameTol.abs, " + ",
+                                      kSameTol.rel, "*|first strategy|)"));
     }
     // tree against ring (the target) and allgather: times faster (mean, p50) and fewer bytes.
     std::optional<bool> met;  // set when tree and ring both ran
@@ -330,7 +325,7 @@ class DecodeWorkload final : public Workload {
     p.table(cols);
     p.for_shown(W, [&](int rank) {
       const int c = rank / T, tp = rank % T;
-      std::vector<std::string> cells, runs;
+      std::vector<std::string> cells;
       for (int64_t v : {int64_t(rank), int64_t(c), int64_t(tp), layout.local_len(c),
                         cache.local_len(c) - layout.local_len(c)})
         cells.push_back(std::to_string(v));
@@ -338,9 +333,7 @@ class DecodeWorkload final : public Workload {
       cells.push_back(report::index_range(tp * Gl, Gl));
       for (double v : kb.at(c))
         cells.push_back(fixed(v, 3));
-      for (const Run& run : cache.runs(c))
-        if (run.length > 0) runs.push_back(report::run_desc(run));
-      cells.push_back(report::join(runs, " "));
+      cells.push_back(report::positions(cache.runs(c)));
       p.row(cells);
     });
   }

@@ -43,6 +43,11 @@ uint64_t allreduce_sum(uint64_t v) {
   return v;
 }
 
+double allreduce_sum(double v) {
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  return v;
+}
+
 std::string verdict(bool is_target, bool met, const char* otherwise) {
   return !is_target ? otherwise : met ? ": met" : ": NOT met";
 }
@@ -210,8 +215,9 @@ AttnSpec Shape::spec(Mask mask) const {
 }
 
 std::string Shape::words() const {
-  return cat("dtype ", dattn::dtype_name(dtype), " batch ", batch, " heads ", heads, " kv-heads ",
-             kv_heads, " head-dim ", head_dim);
+  report::Json j = report::Json::object();
+  json(j);
+  return report::words(j);
 }
 
 void Shape::json(report::Json& cfg) const {
@@ -368,19 +374,14 @@ void Plan::for_shown(int n, const std::function<void(int)>& f) const {
 // ------------------------------------------------------------------ options
 
 std::vector<std::string> Workload::config_lines(Runtime& rt) const {
+  return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(), ") threads/rank ",
+              rt.threads(), " ", config_words())};
+}
+
+std::string Workload::config_words() const {
   report::Json cfg = report::Json::object();
   config_json(cfg);
-  std::string words;  // "key value ...": keys with '-' for '_', strings without their quotes
-  for (const auto& [key, value] : cfg.items()) {
-    std::string k = key;
-    std::replace(k.begin(), k.end(), '_', '-');
-    words += cat(" ", k, " ",
-                 value.is_string()         ? value.get<std::string>()
-                 : value.is_number_float() ? cat(value.get<double>())
-                                           : value.dump());
-  }
-  return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(), ") threads/rank ",
-              rt.threads(), words)};
+  return report::words(cfg);
 }
 
 RuntimeOptions Workload::runtime_options(const EngineOptions& e) const {
@@ -725,8 +726,23 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
 
 namespace dattn::report {
 
+using detail::cat;
+
 void print_footer_line(const std::string& label, const std::string& value) {
   std::printf("# %-22s: %s\n", label.c_str(), value.c_str());
+}
+
+std::string words(const Json& object) {
+  std::string out;
+  for (const auto& [key, value] : object.items()) {
+    std::string k = key;
+    std::replace(k.begin(), k.end(), '_', '-');
+    out += cat(out.empty() ? "" : " ", k, " ",
+               value.is_string()         ? value.get<std::string>()
+               : value.is_number_float() ? cat(value.get<double>())
+                                         : value.dump());
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------ tables
@@ -743,7 +759,7 @@ void print_heading(const std::vector<Column>& columns) {
 
 void print_row(const std::vector<Column>& columns, const std::vector<std::string>& cells) {
   DATTN_CHECK_ARG(cells.size() == columns.size(), "table row cells", cells.size(),
-                  detail::cat(columns.size(), " (one per column)"));
+                  cat(columns.size(), " (one per column)"));
   std::printf(" ");
   for (size_t i = 0; i < cells.size(); ++i)
     std::printf(" %*s", columns[i].width, cells[i].c_str());
@@ -781,11 +797,18 @@ std::string join(const std::vector<std::string>& items, const char* sep) {
   return out;
 }
 
-std::string run_desc(const Run& run) {
-  using detail::cat;
-  const std::string range = cat(run.global_begin, "-", run.last_position());
-  if (run.length <= run.block || run.stride == run.block) return range;
-  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
+std::string positions(const std::vector<Run>& runs) {
+  std::vector<std::string> out;
+  for (const Run& r : runs) {
+    if (r.length <= 0) continue;
+    const std::string range = cat(r.global_begin, "-", r.last_position());
+    if (r.length <= r.block || r.stride == r.block)
+      out.push_back(range);
+    else
+      out.push_back(r.block == 1 ? cat(range, "/", r.stride)
+                                 : cat(range, "/", r.stride, "x", r.block));
+  }
+  return out.empty() ? "-" : join(out, " ");
 }
 
 Json result_row(const ResultRow& r) {

@@ -45,6 +45,9 @@ namespace dattn::report {
 
 // JSON objects keep their members in insertion order.
 using Json = nlohmann::ordered_json;
+// An object's members as "key value key value ..." for a header or plan line: keys with '-' for
+// '_', strings without their quotes.
+std::string words(const Json& object);
 
 // "# label : value" with the labels aligned, as in the nccl-tests footer.
 void print_footer_line(const std::string& label, const std::string& value);
@@ -67,9 +70,10 @@ std::string fixed(double v, int precision);
 std::string sci(double v, int precision);
 // The items joined with sep between them ("a, b, c").
 std::string join(const std::vector<std::string>& items, const char* sep);
-// A run's global positions, for the --dry-run plans: "0-1023" for a contiguous run, "5-4093/4"
-// for every 4th position, "16-31/64x16" for blocks of 16 every 64.
-std::string run_desc(const Run& run);
+// The global positions of a rank's runs, for the --dry-run plans: "0-1023" for a contiguous run,
+// "5-4093/4" for every 4th position, "16-31/64x16" for blocks of 16 every 64; the runs that hold
+// tokens, separated by spaces, or "-" for none.
+std::string positions(const std::vector<Run>& runs);
 
 // The row every workload writes into "rows" with --json, so that one plotting script
 // (launch/plot.py) reads any of them: these keys first, in this order, then the workload's own.
@@ -231,6 +235,7 @@ class Bench {
 double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
+double allreduce_sum(double v);
 // The relative L2 error ||got - ref|| / ||ref|| (||got - ref|| when ref is 0) of elements on
 // every rank: add() each of this rank's, then reduced() (collective).
 struct RelL2 {
@@ -338,12 +343,13 @@ class Workload {
   // The Runtime's options: by default the grid, device and threads of e.
   virtual RuntimeOptions runtime_options(const EngineOptions& e) const;
   // The header's configuration lines (after "# <title>, version V"; the engine adds a line of
-  // the shared options). By default one line: the grid and threads, then config_json's members
-  // as "key value" words.
+  // the shared options). By default one line: the grid and threads, then config_words().
   virtual std::vector<std::string> config_lines(Runtime& rt) const;
   // The workload's keys of the JSON "config" (after program, version, ranks, threads_per_rank,
   // iters, warmup, check; before with_cuda, with_nccl, device).
   virtual void config_json(report::Json& cfg) const = 0;
+  // config_json's members as report::words, for the header and the plans.
+  std::string config_words() const;
   // The tables, in Case::table order. Called after the Runtime exists (units may say per GPU).
   virtual std::vector<std::vector<report::Column>> tables(const Bench& b) const = 0;
   // What runs, in order. In a --compare rerun (e.opts().comparing()) only the largest case

@@ -1,15 +1,12 @@
 // The MLA workload (src/mla.h) on the benchmark engine: one absorbed decode step over G ranks by
 // head split and by TPLA (no, Hadamard or PCA transform); per method its cache and sent bytes
 // against the models, the step latency and the error against exact MLA on three input kinds.
-#include <mpi.h>
-
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include "collective/mpi_communicator.h"
 #include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
 #include "examples/engine.h"
@@ -33,7 +30,7 @@ constexpr int64_t kCheckHeads = 2;          // the check's sample: a rank's firs
 
 // Inputs: Gaussian with std 1 from a hash of (tensor, batch, position, head, dim), the same on
 // every rank and for every G; a latent's outlier channels have std kOutlierFactor.
-enum TensorId : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
+enum MlaInput : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
 
 float gaussian(uint64_t row, int64_t d) {  // Box-Muller on the two halves of one hash
   const uint64_t x = mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull));
@@ -43,7 +40,7 @@ float gaussian(uint64_t row, int64_t d) {  // Box-Muller on the two halves of on
 
 // Tensor `id` in `shape` (fp32, contiguous [B, S, heads, dim] whatever the shape; a 2-D shape
 // is [S, dim] of batch 1): heads h0 .. at positions pos0 ..; channel d times std[d] when given.
-Tensor fill(std::initializer_list<int64_t> shape, TensorId id, int64_t heads, int64_t dim,
+Tensor fill(std::initializer_list<int64_t> shape, MlaInput id, int64_t heads, int64_t dim,
             int64_t pos0 = 0, int64_t h0 = 0, const std::vector<float>* std = nullptr) {
   Tensor t = Tensor::empty(shape, DType::f32);
   const bool batched = shape.size() > 2;
@@ -81,6 +78,7 @@ struct Kind {
 const Kind kKinds[] = {{"uniform energy", "uniform_energy"},
                        {"outlier channels", "outlier_channels"},
                        {"outlier channels, aligned queries", "outlier_channels_aligned_queries"}};
+constexpr int kNumKinds = int(std::size(kKinds));
 
 // The heads [h0, h0 + n) of [H, a, d_c] weights (views: w outlives them).
 MlaWeights heads_of(const MlaWeights& w, int64_t h0, int64_t n) {
@@ -130,9 +128,8 @@ struct Accuracy {
   report::Json json() const {
     report::Json j = {{"rel_l2", rel_l2}, {"max_abs", max_abs}};
     if (f64.checked > 0)
-      j.update({{"f64_checked_elements", f64.checked},
-                {"f64_wrong", f64.wrong},
-                {"f64_max_err", f64.max_err}});
+      j.update({{"f64_checked_elements", f64.checked}, {"f64_wrong", f64.wrong}});
+    if (f64.checked > 0) j["f64_max_err"] = f64.max_err;
     return j;
   }
 };
@@ -141,7 +138,7 @@ struct Result {
   uint64_t cache_held = 0;       // the shard's bytes, max over ranks
   Timing t;                      // the uniform-energy kind's steps
   uint64_t byte_mismatches = 0;  // every kind's steps
-  Accuracy acc[std::size(kKinds)];
+  Accuracy acc[kNumKinds];
   uint64_t exact_wrong = 0;  // kinds where a row that must equal exact MLA does not
   uint64_t f64_wrong = 0;    // elements off the float64 rule
 };
@@ -193,8 +190,6 @@ class Mla final : public Workload {
     require_option(calibration_ >= 2, "--calibration", calibration_, ">= 2");
     cfg_.validate();
     channels_ = outlier_channels(dc, outliers_);
-    for (int64_t c : channels_)
-      channel_names_.push_back(std::to_string(c));
   }
 
   // mla_decode runs over rt.cp(): the Runtime's grid is cp = every rank, tp = 1.
@@ -203,10 +198,8 @@ class Mla final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    std::vector<std::string> lines = shape_lines();
-    lines.insert(lines.begin(),
-                 cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads()));
-    return lines;
+    return {cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads(), " ",
+                config_words())};
   }
 
   void config_json(report::Json& c) const override {
@@ -246,19 +239,6 @@ class Mla final : public Workload {
   void plan(Plan& p) const override;
 
  private:
-  // The run's shape and inputs: the header's lines and the plan's.
-  std::vector<std::string> shape_lines() const {
-    return {
-        cat("context ", S_, " batch ", B_, " new-tokens ", Sq_, " (queries at positions ", S_ - Sq_,
-            " .., causal) steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check),
-        cat("MLA heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope, " qk-nope ",
-            cfg_.qk_nope, " v-head ", cfg_.v_head, " softmax scale ", cfg_.scale(),
-            " fp32; weights MlaWeights::random(seed ", kWeightSeed, ")"),
-        cat("inputs ~ N(0, 1); the outlier kinds' c_kv with ", outliers_, " channels at ",
-            kOutlierFactor, "x std (", report::join(channel_names_, ","),
-            "), aligned queries with W_UK x", kAlignFactor, " on them; PCA on ", calibration_,
-            " other tokens; err: against exact MLA; check: ", kCheckHeads, " heads per rank")};
-  }
   uint64_t cache_bytes(const Method& m) const {  // the model's, per rank
     return mla_cache_bytes_per_token(cfg_, m.parallel, m.opt, G_) * uint64_t(S_ * B_);
   }
@@ -274,7 +254,6 @@ class Mla final : public Workload {
   EngineOptions e_;
   int G_ = 1;
   std::vector<int64_t> channels_;  // the outlier channels
-  std::vector<std::string> channel_names_;
   Result results_[std::size(kMethods)];
   uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0;  // totals
   double f64_max_ = 0;
@@ -286,7 +265,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   const int64_t H = cfg_.heads, dn = cfg_.qk_nope, dc = cfg_.latent, dr = cfg_.rope;
   const int64_t dv = cfg_.v_head, pos0 = S_ - Sq_, h0 = r * H / G_, hn = (r + 1) * H / G_ - h0;
   const int64_t hs = std::min(hn, kCheckHeads);
-  const auto q = [&](TensorId id, int64_t first, int64_t n, int64_t dim) {  // heads first ..
+  const auto q = [&](MlaInput id, int64_t first, int64_t n, int64_t dim) {  // heads first ..
     return fill({B_, Sq_, n, dim}, id, n, dim, pos0, first);
   };
   // Every head on the device (the decode), this rank's (exact MLA), their first hs (the check).
@@ -299,7 +278,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   const MlaWeights w_random = MlaWeights::random(cfg_, kWeightSeed);
   const MlaTransform hadamard = make_latent_transform(LatentTransform::hadamard, dc);
 
-  for (int k = 0; k < int(std::size(kKinds)); ++k) {
+  for (int k = 0; k < kNumKinds; ++k) {
     std::vector<float> stds(static_cast<size_t>(dc), 1.f);
     MlaWeights w = w_random;
     if (k == 2) w.w_uk = w_random.w_uk.to(DType::f32);  // a copy: its outlier columns scaled
@@ -406,7 +385,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
                                    {"p50_ms", res.t.p50_ms},
                                    {"step_ms", res.t.step_ms}};
     if (res.t.kernel_gbs >= 0) x["kernel_gbs"] = res.t.kernel_gbs;
-    for (int k = 0; k < int(std::size(kKinds)); ++k)
+    for (int k = 0; k < kNumKinds; ++k)
       x[kKinds[k].key] = res.acc[k].json();
     x["exact_wrong"] = res.exact_wrong;
   }
@@ -477,8 +456,7 @@ void Mla::plan(Plan& p) const {
   p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_, ": head_split splits the heads (an ",
              "allgather of them per step), tpla the latent (a sum-allreduce of the output); ",
              "device ", device_plan(p.opts().launch)));
-  for (const std::string& line : shape_lines())
-    p.line(line);
+  p.line(config_words());
   std::vector<report::Column> cols = kMethodColumns;
   cols.push_back({"model", "(KB/rank/step)", 14});
   p.table(cols);

@@ -25,7 +25,6 @@ namespace {
 using detail::cat;
 using report::fixed;
 
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3, kDout = 4 };
 constexpr int64_t kSampleRows = 8;  // query rows per rank the check compares
 
 class Prefill final : public Workload {
@@ -243,12 +242,10 @@ class Prefill final : public Workload {
   void plan(Plan& pl) const override {
     const int P = e_.launch.cp, T = e_.launch.tp;
     const int64_t Hl = shape_.heads / T, Gl = shape_.kv_heads / T, R = P / ulysses_;
-    pl.grid(cat("strategy ", strategy_name(strategy_), " U ", ulysses_, "; layout ",
-                problem_.layout_desc(), "; ", shape_.words()),
-            ulysses_ == 1
-                ? ""
-                : cat("; hybrid: ", R, " Ulysses group(s) of ", ulysses_, " consecutive cp ranks, ",
-                      ulysses_, " ring group(s) of ", R, " cp ranks"));
+    pl.grid(config_words(), ulysses_ == 1 ? ""
+                                          : cat("; hybrid: ", R, " Ulysses group(s) of ", ulysses_,
+                                                " consecutive cp ranks, ", ulysses_,
+                                                " ring group(s) of ", R, " cp ranks"));
     for (int64_t S : seqs_) {
       const Problem p = problem(S, P);
       const Spread f = flop_spread(p), mb = spread(P, [&](int c) { return send_mb(p, c); });
@@ -267,13 +264,10 @@ class Prefill final : public Workload {
     // clang-format on
     pl.for_shown(P * T, [&](int w) {
       const int c = w / T, tp = w % T;
-      std::vector<std::string> runs;
-      for (const Run& run : layout.runs(c))
-        runs.push_back(report::run_desc(run));
       pl.row({std::to_string(w), std::to_string(c), std::to_string(tp),
               std::to_string(layout.local_len(c)), report::index_range(tp * Hl, Hl),
               report::index_range(tp * Gl, Gl), fixed(rank_flops(last, c) / 1e9, 3),
-              fixed(send_mb(last, c), 3), report::join(runs, " ")});
+              fixed(send_mb(last, c), 3), report::positions(layout.runs(c))});
     });
   }
 
@@ -327,13 +321,11 @@ class Prefill final : public Workload {
         spec.mask.right >= 0 ? hi + 1 + std::min(spec.mask.right, S - 1 - hi) : S;
     const RefShape shape{shape_.batch, H, spec.heads_kv, spec.head_dim, Dv, double(spec.scale())};
     const auto row = [&](uint64_t id, int64_t b, int64_t ps, int64_t h, int64_t dim, float* out) {
-      const uint64_t key = row_key(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h);
-      for (int64_t d = 0; d < dim; ++d)
-        out[d] = input_value(key, d, shape_.dtype);
+      HashedRows(shape_.dtype)(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h, dim, out);
     };
     const DecodeReference ref = merge_states(
         shape, n,
-        softmax_states(shape, pos, key_begin, key_end, 0, 1, kQ, kK, kV, row,
+        softmax_states(shape, pos, key_begin, key_end, 0, 1, row,
                        [&](int64_t qp, int64_t kp) { return spec.mask.visible(qp, kp); }),
         1);
     const auto [tol_out, tol_lse] = tolerance(gpu);

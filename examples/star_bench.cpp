@@ -1,14 +1,11 @@
 // The star workload (src/star.h) on the benchmark engine: phase 1 (the context encoding, an
 // approximation) timed against exact ring attention on the zigzag layout, and its accuracy with
 // and without an attention sink and the anchor; phase 2 (exact decode steps) against tree decode.
-#include <mpi.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "collective/mpi_communicator.h"
 #include "examples/bench_inputs.h"
 #include "examples/bench_reference.h"
 #include "examples/engine.h"
@@ -28,29 +25,8 @@ using report::sci;
 // The accuracy part's exact attention (ring) runs over at most this many tokens (above: the
 // block and the anchor scaled alike).
 constexpr int64_t kAccuracyMaxSeq = 16384;
-constexpr int64_t kSinkTokens = 4;  // the context's first tokens, which carry the sink
 // Block 0's rows see all their keys: exact attention up to fp32 rounding.
 constexpr double kRank0RelTol = 1e-5, kRank0LseTol = 1e-4;
-// vs float64 for every dtype (both sides read the rounded inputs); star vs tree: merge order.
-constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
-
-// bench_inputs.h's values plus `sink` times a fixed direction u (entries +-D^(-1/4), |u|^2 =
-// 1/scale) on every query and the first kSinkTokens keys, before the rounding to the dtype: those
-// keys' logits rise by about sink^2 and take most of every row's attention, as in trained models.
-struct Inputs {
-  DType dtype;
-  float sink;
-  void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
-    const uint64_t key = row_key(id, b, pos, h);
-    const bool sunk = sink != 0.f && (id == kQ || (id == kK && pos < kSinkTokens));
-    const float u = sunk ? sink * float(std::pow(double(dim), -0.25)) : 0.f;  // sink * |u_d|
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x = input_value(key, d, DType::f32);
-      out[d] = round_to(x + ((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? u : -u), dtype);
-    }
-  }
-};
 
 // star's phase 1 against the exact result over every row of every rank, as an accuracy row;
 // first_rows: how many of this rank's first rows form block 0 (0 on the other ranks).
@@ -63,15 +39,15 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
     all.add(so[i], eo[i]);
     if ((i / hd) % n < first_rows) first.add(so[i], eo[i]);
   }
-  double s[2] = {0, double(exact.lse.numel())}, lse0 = 0;  // the sum of |lse diff|, the count
+  double lse_sum = 0, lse0 = 0;  // the sum of |lse diff|; its max over block 0's rows
   const float *sl = star.lse.ptr<float>(), *el = exact.lse.ptr<float>();
   for (int64_t i = 0; i < exact.lse.numel(); ++i) {
     const double d = sl[i] == el[i] ? 0.0 : std::abs(double(sl[i]) - double(el[i]));
-    s[0] += d;
+    lse_sum += d;
     if (i % n < first_rows) lse0 = std::max(lse0, std::isfinite(d) ? d : INFINITY);
   }
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-  const double err = all.reduced(), lse = s[1] > 0 ? s[0] / s[1] : 0, err0 = first.reduced();
+  const double count = double(allreduce_sum(uint64_t(exact.lse.numel())));
+  const double err = all.reduced(), err0 = first.reduced(), lse = allreduce_sum(lse_sum) / count;
   lse0 = allreduce_max(lse0);
   const bool exact0 = err0 <= kRank0RelTol && lse0 <= kRank0LseTol;
   Row row;
@@ -138,16 +114,6 @@ class StarWorkload final : public Workload {
       acc_anchor_ = std::clamp<int64_t>(anchor_ * acc_seq_ / seq_, 1, acc_block_);
   }
 
-  std::vector<std::string> config_lines(Runtime& rt) const override {
-    std::vector<std::string> lines = Workload::config_lines(rt);
-    lines.push_back(
-        cat("phase 1: star_prefill over ", Layout::blocks(seq_, rt.cp_size(), block_).str(),
-            " vs ring attention over ", Layout::zigzag(seq_, rt.cp_size()).str(),
-            "; accuracy at seq ", acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
-            scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : ""));
-    return lines;
-  }
-
   void config_json(report::Json& cfg) const override {
     cfg.update({{"seq", seq_}, {"block", block_}, {"anchor", anchor_}, {"mask", "causal"}});
     shape_.json(cfg);
@@ -187,12 +153,11 @@ class StarWorkload final : public Workload {
   bool scaled() const { return seq_ > kAccuracyMaxSeq; }
   // This tp rank's slice [B, n, heads, D] of tensor id: its shard under l, or (no l) the
   // decode step's tokens at positions pos0 ..
-  Tensor make(const Inputs& in, TensorId id, const Runtime& rt, const Layout* l,
+  Tensor make(const HashedRows& in, TensorId id, const Runtime& rt, const Layout* l,
               int64_t pos0 = 0) const {
-    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, r = rt.cp_rank();
-    const auto pos = [&](int64_t i) { return l ? l->global_position(int(r), i) : pos0 + i; };
-    return make_rows(in, id, shape_.batch, l ? l->local_len(int(r)) : new_tokens_, pos, heads,
-                     rt.tp_rank() * heads, shape_.head_dim, shape_.dtype);
+    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, h0 = rt.tp_rank() * heads;
+    return l ? make_shard(id, *l, rt.cp_rank(), shape_.batch, heads, shape_.head_dim, in, h0)
+             : make_tokens(id, pos0, new_tokens_, shape_.batch, heads, shape_.head_dim, in, h0);
   }
   // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`) and t's bytes.
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
@@ -224,17 +189,17 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = star ? Layout::blocks(seq_, P, block_) : Layout::zigzag(seq_, P);
-  const Inputs in{shape_.dtype, float(sink_)};
+  const HashedRows in(shape_.dtype, float(sink_));
   const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   TimedCall call;
   call.call = [&] {
     (void)(star ? star_prefill(rt, q, k, v, spec_, l, anchor_)
                 : attention(rt, q, k, v, spec_, l, Strategy::ring));
   };
-  const uint64_t model =
-      star ? star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, r)
-           : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
-  call.model_bytes = [model] { return model; };
+  call.model_bytes = [&] {
+    return star ? star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, r)
+                : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
+  };
   const Timing t = b.time(star ? "star phase 1 star_prefill" : "star phase 1 ring attention", call);
   const auto flops = [&](int rank) {
     return star ? star_prefill_flops(l, spec_, shape_.batch, anchor_, rank)
@@ -265,12 +230,12 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
   const int r = rt.cp_rank();
   const Layout l = Layout::blocks(acc_seq_, rt.cp_size(), acc_block_);
   const int64_t block0 = l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? acc_block_ : 0;
-  b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_,
-             scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
+  b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_, ", anchor ",
+             acc_anchor_, scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
              ": star vs exact (ring over ", l.str(), ") ..."));
   std::vector<Row> rows;
   for (double sink : sink_ != 0 ? std::vector<double>{sink_, 0.0} : std::vector<double>{0.0}) {
-    const Inputs in{shape_.dtype, float(sink)};
+    const HashedRows in(shape_.dtype, float(sink));
     const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
     const Partial exact = attention(rt, q, k, v, spec_, l, Strategy::ring);
     for (int64_t a :
@@ -293,7 +258,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = Layout::blocks(seq_, P, block_);
-  const Inputs in{shape_.dtype, float(sink_)};
+  const HashedRows in(shape_.dtype, float(sink_));
   const Tensor k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   std::vector<Partial> res[2];
   Timing t[2];
@@ -313,7 +278,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
       res[i].push_back(i == 0 ? star_decode(rt, q, cache)
                               : decode(rt, q, cache, DecodeStrategy::tree));
     };
-    const int nodes = rt.spans_nodes() ? rt.node().size() : 0;
+    const int nodes = rt.spans_nodes() ? rt.node().size() : 0;  // tree decode's model
     call.model_bytes = [&] {
       return i == 0 ? star_decode_send_bytes(cache, new_tokens_, r)
                     : decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, nodes, r);
@@ -321,21 +286,18 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     t[i] = b.time(i == 0 ? "star phase 2 star_decode" : "star phase 2 tree decode", call);
   }
   for (int s = 0; b.check() && s < steps_; ++s) {
-    const DecodeReference ref = decode_reference(
-        {shape_.batch, new_tokens_, shape_.heads, shape_.kv_heads, shape_.head_dim},
-        seq_ + (s + 1) * new_tokens_, kQ, kK, kV, in);
+    const DecodeReference ref =
+        decode_reference(shape_, new_tokens_, seq_ + (s + 1) * new_tokens_, in);
     if (r != P - 1) continue;  // the query rank holds the results
     const Partial& tree = res[1][size_t(s)];
     vs_tree_.compare(res[0][size_t(s)], tree.out.ptr<float>(), tree.lse.ptr<float>(), spec_.heads_q,
-                     0, kSame, kSame);
+                     0, kSameTol, kSameTol);
     for (int i = 0; i < 2; ++i)
       vs_ref_[i].compare(res[i][size_t(s)], ref.out.data(), ref.lse.data(), shape_.heads,
-                         rt.tp_rank() * spec_.heads_q, kTol, kTol);
+                         rt.tp_rank() * spec_.heads_q, kDecodeTol, kDecodeTol);
   }
   for (DecodeCheck* c : {&vs_tree_, &vs_ref_[0], &vs_ref_[1]})
     *c = c->reduced();
-  AttnSpec unmasked = spec_;  // a step's queries see every key of the context
-  unmasked.mask = Mask::none();
   std::vector<Row> rows;
   for (int i = 0; i < 2; ++i) {
     const uint64_t wrong = i == 0 ? vs_tree_.wrong() + vs_ref_[0].wrong() : vs_ref_[1].wrong();
@@ -343,7 +305,8 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     // row has the same layout.
     Row& row = rows.emplace_back(
         timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
-                  attention_flops(shape_.batch, new_tokens_, seq_, unmasked), wrong, t[i]));
+                  attention_flops(shape_.batch, new_tokens_, seq_, shape_.spec(Mask::none())),
+                  wrong, t[i]));  // a step's queries see every key of the context
     row.extra.update({{"p50_ms", t[i].p50_ms},
                       {"byte_mismatches", row.byte_mismatches},
                       {"wrong_check", wrong}});
@@ -364,8 +327,9 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::Json& 
   b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",
              "(rel_err <= ", kRank0RelTol, ", |lse diff| <= ", kRank0LseTol, ")"));
   if (b.check() && b.root()) {
-    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSame.abs, " + ",
-               kSame.rel, "*|tree|, both vs float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|"));
+    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSameTol.abs,
+               " + ", kSameTol.rel, "*|tree|, both vs float64 within ", kDecodeTol.abs, " + ",
+               kDecodeTol.rel, "*|ref|"));
     report::print_footer_line("star vs tree", vs_tree_.line("diff"));
     report::print_footer_line("star vs float64", vs_ref_[0].line("err"));
     report::print_footer_line("tree vs float64", vs_ref_[1].line("err"));
@@ -410,10 +374,7 @@ void StarWorkload::plan(Plan& p) const {
     return double(star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, c)) / 1e6;
   };
   const auto [max, sum, imbalance] = spread(P, flops);
-  p.grid(cat("seq ", seq_, " block ", block_, " anchor ", anchor_, "; mask causal ", shape_.words(),
-             "; iters ", p.opts().iters, " warmup ", p.opts().warmup, " new-tokens ", new_tokens_,
-             " steps ", steps_),
-         cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
+  p.grid(config_words(), cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
              " TFLOP in all (exact visible pairs), per rank max ", fixed(max / 1e9, 3),
              " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, max ",
@@ -430,9 +391,6 @@ void StarWorkload::plan(Plan& p) const {
   p.for_shown(W, [&](int w) {
     const int c = w / T, t = w % T;
     const int64_t len = l.local_len(c);
-    std::vector<std::string> runs;
-    for (const Run& run : l.runs(c))
-      if (run.length > 0) runs.push_back(report::run_desc(run));
     p.row(
         {std::to_string(w), std::to_string(c), std::to_string(t), std::to_string(len),
          std::to_string((len + block_ - 1) / block_),
@@ -440,7 +398,7 @@ void StarWorkload::plan(Plan& p) const {
          report::index_range(t * Hl, Hl), report::index_range(t * Gl, Gl), fixed(flops(c) / 1e9, 3),
          fixed(mb(c), 3), fixed(double(star_decode_send_bytes(cache, new_tokens_, c)) / 1e3, 3),
          fixed(double(decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, 0, c)) / 1e3, 3),
-         runs.empty() ? "-" : report::join(runs, " ")});
+         report::positions(l.runs(c))});
   });
 }
 

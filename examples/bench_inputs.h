@@ -3,8 +3,12 @@
 // values do not depend on the rank count, and a float64 check can regenerate any row.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <numeric>
+#include <vector>
 
 #include "src/base/dtype.h"
 #include "src/base/tensor.h"
@@ -98,6 +102,48 @@ inline Tensor make_tokens(uint64_t id, int64_t pos0, int64_t n, int64_t batch, i
                           int64_t dim, const HashedRows& rows, int64_t head0 = 0) {
   const auto pos = [&](int64_t i) { return pos0 + i; };
   return make_rows(rows, id, batch, n, pos, heads, head0, dim);
+}
+
+// Gaussian inputs (mla): std 1 from the hash of the row and d (Box-Muller on the two halves of
+// one hash), the same on every rank and for every rank count.
+inline float gaussian(uint64_t row, int64_t d) {
+  const uint64_t x = mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull));
+  const double u1 = (double(x >> 32) + 0.5) * 0x1p-32, u2 = double(x & 0xffffffffull) * 0x1p-32;
+  return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+// Gaussian tensor `id` in `shape` (fp32, contiguous [B, S, heads, dim] whatever the shape; a 2-D
+// shape is [S, dim] of batch 1): heads h0 .. at positions pos0 ..; channel d times std[d] when
+// given.
+inline Tensor gaussian_tensor(std::initializer_list<int64_t> shape, uint64_t id, int64_t heads,
+                              int64_t dim, int64_t pos0 = 0, int64_t h0 = 0,
+                              const std::vector<float>* std = nullptr) {
+  Tensor t = Tensor::empty(shape, DType::f32);
+  const bool batched = shape.size() > 2;
+  const int64_t B = batched ? shape.begin()[0] : 1, S = shape.begin()[batched ? 1 : 0];
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint64_t key = row_key(id, b, pos0 + s, h0 + h);
+        float* row = t.ptr<float>() + ((b * S + s) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d)
+          row[d] = gaussian(key, d) * (std ? (*std)[size_t(d)] : 1.f);
+      }
+  return t;
+}
+
+// `n` distinct channels of 0 .. d - 1 chosen by a fixed hash (partial Fisher-Yates), sorted: mla's
+// outlier channels.
+inline std::vector<int64_t> hashed_channels(int64_t d, int64_t n) {
+  std::vector<int64_t> idx(static_cast<size_t>(d));
+  std::iota(idx.begin(), idx.end(), int64_t(0));
+  for (int64_t i = 0; i < n; ++i)
+    std::swap(idx[size_t(i)],
+              idx[size_t(i + int64_t(mix64(0x0a71e55ull ^ uint64_t(i)) % uint64_t(d - i)))]);
+  idx.resize(static_cast<size_t>(n));
+  std::sort(idx.begin(), idx.end());
+  return idx;
 }
 
 }  // namespace dattn::bench

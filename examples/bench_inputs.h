@@ -44,10 +44,14 @@ inline float round_to(float x, DType dtype) {
   return x;
 }
 
-// Uniform in [-1, 1) (24 random bits), rounded to the storage dtype.
+// Uniform in [-1, 1): 24 random bits of the hash of x.
+inline float uniform(uint64_t x) {
+  return float(mix64(x) >> 40) * 0x1p-23f - 1.0f;
+}
+
+// Uniform in [-1, 1), rounded to the storage dtype.
 inline float input_value(uint64_t row, int64_t d, DType dtype) {
-  return round_to(float(mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)) >> 40) * 0x1p-23f - 1.0f,
-                  dtype);
+  return round_to(uniform(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull)), dtype);
 }
 
 // The inputs of every workload but mla: q, k, v and the backward's dout.

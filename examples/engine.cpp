@@ -493,7 +493,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
     resolve_one_process(e.launch);
   } else {
     e.launch.runs_on_cuda = d.runs_on_cuda;
-    resolve_launch_options(e.launch, d.default_tp);
+    resolve_launch_options(e.launch, 1);
   }
   const std::string iters_name = cat("--", split_list(d.iters_option)[0]);
   require_option(e.iters >= 1, iters_name.c_str(), e.iters, ">= 1");
@@ -782,19 +782,19 @@ std::string format(const char* conversion, double v, int precision) {
 }
 }  // namespace
 
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i)
+    out += (i ? sep : "") + items[i];
+  return out;
+}
+
 std::string fixed(double v, int precision) {
   return format("%.*f", v, precision);
 }
 
 std::string sci(double v, int precision) {
   return format("%.*e", v, precision);
-}
-
-std::string join(const std::vector<std::string>& items, const char* sep) {
-  std::string out;
-  for (size_t i = 0; i < items.size(); ++i)
-    out += (i ? sep : "") + items[i];
-  return out;
 }
 
 std::string positions(const std::vector<Run>& runs) {

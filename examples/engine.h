@@ -108,7 +108,6 @@ struct Defaults {
   int threads = 0;            // -T default (0: OMP_NUM_THREADS, else cores per rank)
   int min_threads = 0;        // -T must be >= this
   bool has_check = true;      // false: no -k (a workload with no reference, e.g. kernel)
-  int default_tp = 1;         // --tp when neither --tp nor --cp says
   bool runs_on_cuda = false;  // LaunchOptions::runs_on_cuda: --device cuda is accepted
   // One process: the grid is cp 1 x tp 1 whatever the job (--cp, --tp, --world-size must say 1,
   // --device cpu); each rank of a larger job runs the workload alone on MPI_COMM_SELF.

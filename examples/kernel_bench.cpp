@@ -35,7 +35,7 @@ Tensor random_bshd(int64_t S, int64_t H, int64_t D, DType dtype, uint64_t seed) 
   const int64_t n = t.numel();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i)
-    t.set(i, float(mix64(seed * 0x100000000ull + uint64_t(i)) >> 40) * 0x1p-23f - 1.0f);
+    t.set(i, uniform(seed * 0x100000000ull + uint64_t(i)));
   return t;
 }
 
@@ -147,8 +147,8 @@ class Kernel final : public Workload {
       // BLAS threads for the sgemm only: the kernel runs BLAS inside its own OpenMP threads.
       ga.resize(size_t(gemm_n_ * gemm_n_)), gb.resize(ga.size()), gc.resize(ga.size());
       for (size_t i = 0; i < ga.size(); ++i) {
-        ga[i] = float(mix64(i) >> 40) * 0x1p-23f - 1.0f;
-        gb[i] = float(mix64(i + ga.size()) >> 40) * 0x1p-23f - 1.0f;
+        ga[i] = uniform(i);
+        gb[i] = uniform(i + ga.size());
       }
       openblas_set_num_threads(e_.threads);
       call.call = [&] {

@@ -76,19 +76,17 @@ class StarWorkload final : public Workload {
   }
 
   void add_options(po::options_description& desc) override {
-    // clang-format off
-    desc.add_options()
-      ("seq,s", po::value(&seq_)->default_value(seq_), "context length S")
-      ("block", po::value(&block_)->value_name("arg (=S/16)"),
-       "tokens per block b of the blocks layout")
-      ("anchor", po::value(&anchor_)->value_name("arg (=block)"),
-       "anchor a: the first tokens every rank sees (0 .. block; 0 = off)")
-      ("new-tokens,q", po::value(&new_tokens_)->default_value(new_tokens_),
-       "tokens S_q per decode step")
-      ("steps", po::value(&steps_)->default_value(steps_), "decode steps (phase 2)")
-      ("sink", po::value(&sink_)->default_value(sink_),
-       "attention sink strength s (the first 4 keys and every query; 0 = no sink)");
-    // clang-format on
+    const auto opt = [&](const char* name, auto& v, const char* help) {
+      desc.add_options()(name, po::value(&v)->default_value(v), help);
+    };
+    opt("seq,s", seq_, "context length S");
+    desc.add_options()("block", po::value(&block_)->value_name("arg (=S/16)"),
+                       "tokens per block b of the blocks layout");
+    desc.add_options()("anchor", po::value(&anchor_)->value_name("arg (=block)"),
+                       "anchor a: the first tokens every rank sees (0 .. block; 0 = off)");
+    opt("new-tokens,q", new_tokens_, "tokens S_q per decode step");
+    opt("steps", steps_, "decode steps (phase 2)");
+    opt("sink", sink_, "attention sink strength s (the first 4 keys and every query; 0 = no sink)");
     shape_.add_options(desc);
   }
 
@@ -180,9 +178,7 @@ class StarWorkload final : public Workload {
   double sink_ = 4.0;
   AttnSpec spec_;  // causal, one tp rank's heads
   int64_t acc_seq_ = 0, acc_block_ = 0, acc_anchor_ = 0;
-  // For finish: phase 1's FLOP model max (star, ring) and phase 2's checks.
-  double gflop_max_[2] = {0, 0};
-  DecodeCheck vs_tree_, vs_ref_[2];  // star vs tree; star and tree vs float64
+  DecodeCheck vs_tree_, vs_ref_[2];  // phase 2's checks: star vs tree; star and tree vs float64
 };
 
 Row StarWorkload::run_phase1(Bench& b, bool star) {
@@ -206,7 +202,6 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
                 : attention_rank_flops(Strategy::ring, l, spec_, shape_.batch, 1, rank);
   };
   const auto [max, sum, imbalance] = spread(P, flops);
-  gflop_max_[star ? 0 : 1] = max / 1e9;
   // TFLOP/s per rank of star's own (approximate) problem, its exact visible pairs; ring's as the
   // prefill workload reports it, the causal attention model over all S tokens.
   const double total = star ? sum : attention_flops(shape_.batch, seq_, seq_, spec_);
@@ -321,7 +316,8 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
 void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   const double star = rows[0].result.time_ms, ring = rows[1].result.time_ms;
   const double star2 = rows[rows.size() - 2].result.time_ms, tree = rows.back().result.time_ms;
-  const double measured = ring / star, model = gflop_max_[1] / gflop_max_[0];
+  const double measured = ring / star, model = rows[1].extra["model_gflop_max"].get<double>() /
+                                               rows[0].extra["model_gflop_max"].get<double>();
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
   b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",

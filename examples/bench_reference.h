@@ -160,9 +160,9 @@ inline DecodeReference merge_states(const RefShape& s, int64_t R, const std::vec
 
 // The float64 check of a decode step: the S_q new queries (positions length - S_q .. length - 1)
 // against every key 0 .. length - 1, causal on global positions, over every head of `shape`
-// (D_v = D, scale 1/sqrt(D)). Collective over
-// MPI_COMM_WORLD: rank r takes the chunks r, r + P, ...; the states are allgathered (not counted
-// in the runtime's bytes) and merged, so 1/P of the work per rank.
+// (D_v = D, scale 1/sqrt(D)). Collective over MPI_COMM_WORLD: rank r takes the chunks r, r + P,
+// ...; the states are allgathered (not counted in the runtime's bytes) and merged, so 1/P of the
+// work per rank.
 inline DecodeReference decode_reference(const Shape& o, int64_t new_tokens, int64_t length,
                                         const HashedRows& row) {
   int P = 1, r = 0;

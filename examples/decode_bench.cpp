@@ -359,9 +359,9 @@ class DecodeWorkload final : public Workload {
   void record(Row& row, DecodeCheck& sum, const DecodeCheck& e, const char* key, const char* err) {
     sum.add(e);
     row.result.wrong += int64_t(e.wrong());
-    row.extra[key] = e.wrong();
-    row.extra[cat("max_", err, "_out")] = e.out.max_err,
-                               row.extra[cat("max_", err, "_lse")] = e.lse.max_err;
+    row.extra.update({{key, e.wrong()},
+                      {cat("max_", err, "_out"), e.out.max_err},
+                      {cat("max_", err, "_lse"), e.lse.max_err}});
   }
 
   int64_t context_ = 65536, new_tokens_ = 1;

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <type_traits>
 
 #include "collective/mpi_communicator.h"
 #include "kernels/cpu/attention_cpu.h"
@@ -28,24 +29,26 @@ using detail::cat;
 
 // ------------------------------------------------------------------ small services
 
+namespace {
+template <typename T>
+T allreduce(T v, MPI_Op op) {
+  const MPI_Datatype type = std::is_same_v<T, double> ? MPI_DOUBLE : MPI_UINT64_T;
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, type, op, MPI_COMM_WORLD));
+  return v;
+}
+}  // namespace
+
 double allreduce_max(double v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_MAX);
 }
-
 uint64_t allreduce_max(uint64_t v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_MAX);
 }
-
 uint64_t allreduce_sum(uint64_t v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_SUM);
 }
-
 double allreduce_sum(double v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_SUM);
 }
 
 std::string verdict(bool is_target, bool met, const char* otherwise) {

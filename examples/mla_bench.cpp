@@ -207,8 +207,6 @@ class Mla final : public Workload {
   EngineOptions e_;
   int G_ = 1;
   std::vector<int64_t> channels_;                               // the outlier channels
-  Timing timing_[std::size(kMethods)];                          // the first kind's steps
-  double rel_l2_[std::size(kMethods)][kNumKinds] = {};          // against exact MLA
   uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0;  // totals
   double f64_max_ = 0;
 };
@@ -298,13 +296,11 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
           if (e_.check && j < hs * dv) a.f64.compare(got, f64[size_t(row * hs * dv + j)], kTol);
         }
       a.rel_l2 = l2.reduced(), a.max_abs = allreduce_max(a.max_abs), a.f64 = a.f64.reduced();
-      rel_l2_[i][k] = a.rel_l2, f64_wrong_ += a.f64.wrong,
-      f64_max_ = std::max(f64_max_, a.f64.max_err);
+      f64_wrong_ += a.f64.wrong, f64_max_ = std::max(f64_max_, a.f64.max_err);
       if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) exact_wrong[i] += 1;
 
       Row& row = rows[i];
       if (k == 0) {
-        timing_[i] = tm;
         const uint64_t cache = cache_bytes(m);
         const double sent_kb = tm.sent_mb * 1e3, model_kb = tm.model_mb * 1e3;
         row.result = {"mla", m.label, "", S_, G_, tm.step_mean_ms};
@@ -351,7 +347,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   return rows;
 }
 
-void Mla::finish(Bench& b, const std::vector<Row>&, report::Json& top) {
+void Mla::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   if (b.root()) {
     report::print_footer_line("Cache model mismatches",
                               cat(cache_wrong_, " (shards that hold other than ",
@@ -366,7 +362,9 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::Json& top) {
           cat(f64_wrong_, " wrong (", kCheckHeads, " heads per rank, within ", kTol.abs, " + ",
               kTol.rel, "*|ref| of its rule); max |err| ", sci(f64_max_, 2)));
   }
-  const auto err = [&](size_t m, int k) { return rel_l2_[m][k]; };
+  const auto err = [&](size_t m, int k) {
+    return rows[m].extra[kKinds[k].key]["rel_l2"].get<double>();
+  };
   const double dc = double(cfg_.latent), dr = double(cfg_.rope);
   const double target = (dc / 4 + dr) / (dc + dr), ratio = cache_ratio(kMethods[kNone]);
   const double split = cache_ratio(kMethods[kSplitRope]);
@@ -395,17 +393,18 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::Json& top) {
     if (k == 1) jout["target"] = "hadamard < none";
     if (G_ > 1) jout[p + "met"] = met;
   }
-  const Timing &hs = timing_[kHeadSplit], &none = timing_[kNone];
-  b.note(cat("tpla none / head_split latency ", fixed(none.step_mean_ms / hs.step_mean_ms, 2),
-             " (mean), bytes/step ",
-             hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
-  top.update({{"tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms},
+  const report::ResultRow &hs = rows[kHeadSplit].result, &none = rows[kNone].result;
+  const double latency = none.time_ms / hs.time_ms;  // the mean steps
+  b.note(cat("tpla none / head_split latency ", fixed(latency, 2), " (mean), bytes/step ",
+             hs.sent_mb_per_rank > 0 ? fixed(none.sent_mb_per_rank / hs.sent_mb_per_rank, 2)
+                                     : "n/a (nothing sent)"));
+  top.update({{"tpla_none_over_head_split_latency", latency},
               {"cache_mismatches", cache_wrong_},
               {"exact_wrong", exact_wrong_},
               {"f64_wrong", f64_wrong_}});
   std::vector<std::pair<std::string, double>> kernels;  // the latent decode of each method
   for (size_t i = 0; i < std::size(kMethods); ++i)
-    kernels.push_back({kMethods[i].label, timing_[i].kernel_gbs});
+    kernels.push_back({kMethods[i].label, rows[i].extra.value("kernel_gbs", -1.0)});
   roofline_footer(b, kernels, top);
 }
 

@@ -157,7 +157,7 @@ class StarWorkload final : public Workload {
     return l ? make_shard(id, *l, rt.cp_rank(), shape_.batch, heads, shape_.head_dim, in, h0)
              : make_tokens(id, pos0, new_tokens_, shape_.batch, heads, shape_.head_dim, in, h0);
   }
-  // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`) and t's bytes.
+  // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`), t's bytes.
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
                 double time_ms, double flops, uint64_t wrong, const Timing& t) const {
     Row row;
@@ -165,7 +165,7 @@ class StarWorkload final : public Workload {
     row.result.tflops_per_rank = flops / rt.cp_size() / (time_ms * 1e-3) / 1e12;
     row.result.wrong = int64_t(wrong);
     row.take_bytes(t);
-    row.extra["phase"] = phase;
+    row.extra = {{"phase", phase}, {"byte_mismatches", t.byte_mismatches}};
     return row;
   }
   Row run_phase1(Bench& b, bool star);
@@ -197,19 +197,16 @@ Row StarWorkload::run_phase1(Bench& b, bool star) {
                 : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
   };
   const Timing t = b.time(star ? "star phase 1 star_prefill" : "star phase 1 ring attention", call);
-  const auto flops = [&](int rank) {
+  const auto [max, sum, imbalance] = spread(P, [&](int rank) {
     return star ? star_prefill_flops(l, spec_, shape_.batch, anchor_, rank)
                 : attention_rank_flops(Strategy::ring, l, spec_, shape_.batch, 1, rank);
-  };
-  const auto [max, sum, imbalance] = spread(P, flops);
+  });
   // TFLOP/s per rank of star's own (approximate) problem, its exact visible pairs; ring's as the
   // prefill workload reports it, the causal attention model over all S tokens.
   const double total = star ? sum : attention_flops(shape_.batch, seq_, seq_, spec_);
   Row row =
       timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms, total, 0, t);
-  row.extra.update({{"model_gflop_max", max / 1e9},
-                    {"imbalance", imbalance},
-                    {"byte_mismatches", t.byte_mismatches}});
+  row.extra.update({{"model_gflop_max", max / 1e9}, {"imbalance", imbalance}});
   row.cells = {
       row.result.strategy,  star ? cat("blocks(b=", block_, ",a=", anchor_, ")") : "zigzag",
       fixed(t.mean_ms, 2),  fixed(t.sent_mb, 3),
@@ -224,7 +221,8 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
   Runtime& rt = b.rt();
   const int r = rt.cp_rank();
   const Layout l = Layout::blocks(acc_seq_, rt.cp_size(), acc_block_);
-  const int64_t block0 = l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? acc_block_ : 0;
+  const int64_t block0 =  // how many of this rank's rows are block 0's
+      l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? std::min(acc_block_, l.local_len(r)) : 0;
   b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_, ", anchor ",
              acc_anchor_, scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
              ": star vs exact (ring over ", l.str(), ") ..."));
@@ -239,8 +237,7 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
       const Partial star = star_prefill(rt, q, k, v, spec_, l, a);
       const bool off = rt.counters().data_bytes() !=
                        star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, a, r);
-      rows.push_back(accuracy_row(star, exact, std::min(block0, l.local_len(r)), sink, a,
-                                  allreduce_sum(uint64_t(off))));
+      rows.push_back(accuracy_row(star, exact, block0, sink, a, allreduce_sum(uint64_t(off))));
     }
   }
   return rows;
@@ -293,18 +290,16 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   }
   for (DecodeCheck* c : {&vs_tree_, &vs_ref_[0], &vs_ref_[1]})
     *c = c->reduced();
+  // A step's queries see every key of the context.
+  const double flops = attention_flops(shape_.batch, new_tokens_, seq_, shape_.spec(Mask::none()));
   std::vector<Row> rows;
   for (int i = 0; i < 2; ++i) {
     const uint64_t wrong = i == 0 ? vs_tree_.wrong() + vs_ref_[0].wrong() : vs_ref_[1].wrong();
     // "star_decode": a plotted series is (workload, strategy, layout, ranks), and phase 1's star
     // row has the same layout.
-    Row& row = rows.emplace_back(
-        timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
-                  attention_flops(shape_.batch, new_tokens_, seq_, shape_.spec(Mask::none())),
-                  wrong, t[i]));  // a step's queries see every key of the context
-    row.extra.update({{"p50_ms", t[i].p50_ms},
-                      {"byte_mismatches", row.byte_mismatches},
-                      {"wrong_check", wrong}});
+    Row& row = rows.emplace_back(timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks",
+                                           t[i].step_mean_ms, flops, wrong, t[i]));
+    row.extra.update({{"p50_ms", t[i].p50_ms}, {"wrong_check", wrong}});
     row.cells = {
         i == 0 ? "star" : "tree", std::to_string(seq_),         fixed(t[i].step_mean_ms, 3),
         fixed(t[i].p50_ms, 3),    fixed(t[i].sent_mb * 1e3, 3), fixed(t[i].model_mb * 1e3, 3),
@@ -336,15 +331,11 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::Json& 
              verdict(target, measured >= 4, " (not the target configuration)")));
   b.note(cat("phase 2: star_decode ", fixed(star2, 3), " ms/step, tree ", fixed(tree, 3),
              " ms/step: star/tree ", fixed(star2 / tree, 2)));
-  report::Json acc = report::Json::array();
-  for (const Row& r : rows)
-    if (!r.in_json) acc.push_back(r.extra);
   top["phase1"] = {{"measured_speedup", measured}, {"model_flop_ratio", model}};
-  top["accuracy"] = {{"seq", acc_seq_},
-                     {"block", acc_block_},
-                     {"anchor", acc_anchor_},
-                     {"scaled", scaled()},
-                     {"rows", acc}};
+  top["accuracy"] = {
+      {"seq", acc_seq_}, {"block", acc_block_}, {"anchor", acc_anchor_}, {"scaled", scaled()}};
+  for (const Row& r : rows)
+    if (!r.in_json) top["accuracy"]["rows"].push_back(r.extra);
   report::Json& p2 = top["phase2"] = {{"context", seq_},
                                       {"final_length", seq_ + steps_ * new_tokens_},
                                       {"star_over_tree_latency", star2 / tree}};

@@ -121,12 +121,6 @@ Problem ProblemOptions::make(const AttnSpec& heads, int64_t S, int P, const std:
   return p;
 }
 
-std::string ProblemOptions::layout_desc() const {
-  if (layout_ == "striped") return cat("striped(block ", stripe_block_, ")");
-  if (layout_ == "varlen") return cat("varlen(", documents(), " docs)");
-  return layout_;
-}
-
 std::string ProblemOptions::mask_desc(int64_t S) const {
   AttnSpec heads;
   heads.heads_q = heads.heads_kv = heads.head_dim = 1;

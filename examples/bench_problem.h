@@ -36,7 +36,6 @@ class ProblemOptions {
   const std::string& mask() const { return mask_; }
   int64_t stripe_block() const { return stripe_block_; }
   int64_t documents() const { return doc_lens_.empty() ? doc_count_ : int64_t(doc_lens_.size()); }
-  std::string layout_desc() const;         // "striped(block 16)", "varlen(5 docs)", or the layout
   std::string mask_desc(int64_t S) const;  // the mask at length S: "document(3 docs, causal)"
 
  private:

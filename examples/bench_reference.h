@@ -17,10 +17,16 @@
 #include <vector>
 
 #include "collective/mpi_communicator.h"
+#include "examples/bench_inputs.h"
 #include "examples/engine.h"
 #include "src/attention.h"
 
 namespace dattn::bench {
+
+// The decode checks' bounds on the CPU (decode, star): against float64, with inputs rounded to the
+// storage dtype on both sides (the kernel computes in fp32 whatever the dtype); two exact results
+// over the same cached K/V (strategies, star against tree) differ only in merge order.
+constexpr Tolerance kDecodeTol{1e-4, 1e-4}, kSameTol{1e-5, 1e-5};
 
 struct DecodeReference {
   std::vector<double> out;  // [B, R, H, D_v] (R query rows; a decode step's R = S_q)
@@ -37,13 +43,12 @@ constexpr int64_t kRefChunk = 256;  // keys per chunk
 
 // The states [B][R * H][D_v + 2] (m, l, acc; row index j * H + h) of the query rows at global
 // positions pos[j] over the keys of chunks first, first + step, ... of [key_begin, key_end).
-// row(id, b, pos, h, dim, out) writes the `dim` stored values of one row of tensor id (q_id,
-// k_id or v_id); visible(q_pos, k_pos) is the mask.
+// row(id, b, pos, h, dim, out) writes the `dim` stored values of one row of tensor id (kQ, kK or
+// kV); visible(q_pos, k_pos) is the mask.
 template <typename RowFn, typename VisibleFn>
 std::vector<double> softmax_states(const RefShape& s, const std::vector<int64_t>& pos,
                                    int64_t key_begin, int64_t key_end, int64_t first, int64_t step,
-                                   uint64_t q_id, uint64_t k_id, uint64_t v_id, const RowFn& row,
-                                   const VisibleFn& visible) {
+                                   const RowFn& row, const VisibleFn& visible) {
   const int64_t R = int64_t(pos.size()), H = s.heads, G = s.kv_heads, D = s.head_dim;
   const int64_t Dv = s.dim_v, group = H / G, rows = R * H, state = Dv + 2;
   std::vector<double> out(size_t(s.batch * rows * state), 0.0);
@@ -51,7 +56,7 @@ std::vector<double> softmax_states(const RefShape& s, const std::vector<int64_t>
     std::vector<double> qv(size_t(rows * D));
     std::vector<float> vals(size_t(std::max(D, Dv)));
     for (int64_t jh = 0; jh < rows; ++jh) {
-      row(q_id, b, pos[size_t(jh / H)], jh % H, D, vals.data());
+      row(kQ, b, pos[size_t(jh / H)], jh % H, D, vals.data());
       std::copy_n(vals.begin(), D, qv.begin() + jh * D);
     }
     std::vector<double> m(size_t(rows), -INFINITY), l(size_t(rows), 0.0),
@@ -64,9 +69,9 @@ std::vector<double> softmax_states(const RefShape& s, const std::vector<int64_t>
       for (int64_t c = 0; c < kn; ++c) {
         std::vector<float> kv(size_t(std::max(D, Dv)));
         for (int64_t g = 0; g < G; ++g) {
-          row(k_id, b, k0 + c, g, D, kv.data());
+          row(kK, b, k0 + c, g, D, kv.data());
           std::copy_n(kv.begin(), D, kc.begin() + (c * G + g) * D);
-          row(v_id, b, k0 + c, g, Dv, kv.data());
+          row(kV, b, k0 + c, g, Dv, kv.data());
           std::copy_n(kv.begin(), Dv, vc.begin() + (c * G + g) * Dv);
         }
       }
@@ -153,31 +158,27 @@ inline DecodeReference merge_states(const RefShape& s, int64_t R, const std::vec
   return ref;
 }
 
-struct DecodeShape {
-  int64_t batch, new_tokens, heads, kv_heads, head_dim;  // D_v = head_dim, scale 1/sqrt(D)
-};
-
 // The float64 check of a decode step: the S_q new queries (positions length - S_q .. length - 1)
-// against every key 0 .. length - 1, causal on global positions. Collective over
-// MPI_COMM_WORLD: rank r takes the chunks r, r + P, ...; the states are allgathered (not counted
-// in the runtime's bytes) and merged, so 1/P of the work per rank.
-template <typename RowFn>
-DecodeReference decode_reference(const DecodeShape& o, int64_t length, uint64_t q_id, uint64_t k_id,
-                                 uint64_t v_id, const RowFn& row) {
+// against every key 0 .. length - 1, causal on global positions, over every head of `shape`
+// (D_v = D, scale 1/sqrt(D)). Collective over MPI_COMM_WORLD: rank r takes the chunks r, r + P,
+// ...; the states are allgathered (not counted in the runtime's bytes) and merged, so 1/P of the
+// work per rank.
+inline DecodeReference decode_reference(const Shape& o, int64_t new_tokens, int64_t length,
+                                        const HashedRows& row) {
   int P = 1, r = 0;
   DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &P));
   DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &r));
   const RefShape s{o.batch,    o.heads,    o.kv_heads,
                    o.head_dim, o.head_dim, double(1.0f / std::sqrt(float(o.head_dim)))};
   std::vector<int64_t> pos;
-  for (int64_t j = 0; j < o.new_tokens; ++j)
-    pos.push_back(length - o.new_tokens + j);
-  const std::vector<double> mine = softmax_states(s, pos, 0, length, r, P, q_id, k_id, v_id, row,
-                                                  [](int64_t q, int64_t k) { return k <= q; });
+  for (int64_t j = 0; j < new_tokens; ++j)
+    pos.push_back(length - new_tokens + j);
+  const std::vector<double> mine =
+      softmax_states(s, pos, 0, length, r, P, row, [](int64_t q, int64_t k) { return k <= q; });
   std::vector<double> all(mine.size() * size_t(P));
   DATTN_MPI_CHECK(MPI_Allgather(mine.data(), int(mine.size()), MPI_DOUBLE, all.data(),
                                 int(mine.size()), MPI_DOUBLE, MPI_COMM_WORLD));
-  return merge_states(s, o.new_tokens, all, P);
+  return merge_states(s, new_tokens, all, P);
 }
 
 // A result checked element by element, out and lse apart: the rows rows[j] (all of them, in order,
@@ -210,10 +211,11 @@ struct DecodeCheck {
         }
   }
   // {"checked", "wrong", "max_err_out", "max_err_lse"}.
-  std::string json() const {
-    report::JsonObject j;
-    j.add("checked", int64_t(out.checked + lse.checked)).add("wrong", int64_t(wrong()));
-    return j.add("max_err_out", out.max_err).add("max_err_lse", lse.max_err).str();
+  report::Json json() const {
+    return {{"checked", out.checked + lse.checked},
+            {"wrong", wrong()},
+            {"max_err_out", out.max_err},
+            {"max_err_lse", lse.max_err}};
   }
   // Summed (errors: maxed) over every rank of MPI_COMM_WORLD. Collective.
   DecodeCheck reduced() const { return {out.reduced(), lse.reduced()}; }

@@ -6,7 +6,6 @@
 // machine's core-only build has it); exits 77 without GPU.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
-#include <getopt.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,7 +13,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <string>
 #include <tuple>
@@ -34,6 +32,7 @@ namespace {
 
 using dattn::DType;
 using dattn::cuda::DeviceBuffer;
+using dattn::detail::cat;
 
 #define BENCH_CUBLAS_CHECK(call)                                              \
   do {                                                                        \
@@ -49,8 +48,8 @@ constexpr int64_t kDecodeHeads = 8;     // the decode rows' query heads, on 1, 2
 constexpr int64_t kDecodeKvHeads[] = {1, 2, 8};
 
 // ================================================================== options
-// getopt_long rather than Boost.Program_options, which a bare GPU machine's core-only build does
-// not have.
+// A table and a plain loop rather than Boost.Program_options, which a bare GPU machine's
+// core-only build does not have. Each option: -fN, -f N, --name N or --name=N.
 
 struct Options {
   int64_t seq = 16384, heads = 16, head_dim = 128, iters = 10, warmup = 3, gemm_n = 8192;
@@ -58,16 +57,16 @@ struct Options {
   std::string json;
 };
 
-// An integer option: -flag N / --name N, in [min, max].
-struct IntOption {
+struct Option {
   const char* name;
   char flag;
-  int64_t* value;
+  int64_t* value;  // an integer in [min, max]; null: the text itself, into *text
   int64_t min, max;
   const char* help;
+  std::string* text = nullptr;
 };
 
-std::vector<IntOption> int_options(Options& o) {
+std::vector<Option> option_table(Options& o) {
   constexpr int64_t kMax = INT64_MAX;
   return {
       {"seq", 's', &o.seq, 1, kMax, "sequence length S"},
@@ -78,78 +77,57 @@ std::vector<IntOption> int_options(Options& o) {
       {"gemm-n", 'g', &o.gemm_n, 16, kMax, "cuBLAS GEMM size n (n x n x n)"},
       {"check-seq", 'c', &o.check_seq, 1, kMax,
        "S of the correctness check vs the float64 reference"},
-      {"context", 'x', &o.context, 0, kMax, "decode rows' context (H=8, H_kv 1, 2, 8; 0: none)"}};
+      {"context", 'x', &o.context, 0, kMax, "decode rows' context (H=8, H_kv 1, 2, 8; 0: none)"},
+      {"json", 'J', nullptr, 0, 0, "also write the rows as JSON to FILE", &o.json}};
 }
 
-void print_help() {
-  Options d;
-  std::printf(
-      "dattn-cuda-kernel-bench: the CUDA attention forward (bf16, B=1) vs cuBLAS bf16 GEMM,\n"
-      "and the decode kernel's bandwidth vs the device's copy bandwidth\n"
-      "options\n");
-  for (const IntOption& i : int_options(d))
-    std::printf("  -%c, %-14s %s (default %lld)\n", i.flag,
-                ("--" + std::string(i.name) + " N").c_str(), i.help,
-                static_cast<long long>(*i.value));
-  std::printf(
-      "  -J, --json FILE    also write the rows as JSON to FILE\n"
-      "  -h, --help         print this help\n"
-      "  -V, --version      print the version\n");
-}
-
-int64_t parse_int(const IntOption& opt, const std::string& text) {
-  size_t used = 0;
-  long long v = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || text.empty() || v < opt.min || v > opt.max)
-    DATTN_THROW("invalid --", opt.name, " = '", text, "': expected an integer >= ", opt.min,
-                opt.max < INT32_MAX ? " and <= " + std::to_string(opt.max) : "");
-  return v;
-}
-
-// Returns false when --help or --version was answered. getopt_long (the C library's) gives the
-// short and long forms, "--opt v" and "--opt=v", and unambiguous prefixes.
+// Returns false when --help or --version was answered.
 bool parse_options(int argc, char** argv, Options& o) {
-  const std::vector<IntOption> ints = int_options(o);
-  std::vector<option> longs;
-  std::string shorts = ":J:hV";
-  for (const IntOption& i : ints) {
-    longs.push_back({i.name, required_argument, nullptr, i.flag});
-    shorts += {i.flag, ':'};
-  }
-  longs.push_back({"json", required_argument, nullptr, 'J'});
-  longs.push_back({"help", no_argument, nullptr, 'h'});
-  longs.push_back({"version", no_argument, nullptr, 'V'});
-  longs.push_back({nullptr, 0, nullptr, 0});
-  opterr = 0;  // errors are thrown below, naming the option
-  optind = 1;
-  int c = 0, at = 1;
-  while ((c = getopt_long(argc, argv, shorts.c_str(), longs.data(), nullptr)) != -1) {
-    const std::string arg = at < argc ? argv[at] : "";
-    at = optind;
-    const auto i =
-        std::find_if(ints.begin(), ints.end(), [&](const IntOption& x) { return x.flag == c; });
-    if (i != ints.end()) {
-      *i->value = parse_int(*i, optarg);
-    } else if (c == 'h' || c == 'V') {
-      if (c == 'h')
-        print_help();
-      else
+  const std::vector<Option> table = option_table(o);
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;  // value: given in the same word (-s16384, --seq=16384)
+    const bool long_form = arg.rfind("--", 0) == 0;
+    const size_t eq = long_form ? arg.find('=') : arg.size() > 2 && arg[0] == '-' ? 2 : arg.npos;
+    if (eq != arg.npos) value = arg.substr(eq + long_form), arg.resize(eq);
+    if (arg == "-h" || arg == "--help" || arg == "-V" || arg == "--version") {
+      if (arg == "-V" || arg == "--version") {
         std::printf("dattn-cuda-kernel-bench %s\n", DATTN_VERSION);
+        return false;
+      }
+      std::printf(
+          "dattn-cuda-kernel-bench: the CUDA attention forward (bf16, B=1) vs cuBLAS bf16 GEMM,\n"
+          "and the decode kernel's bandwidth vs the device's copy bandwidth\noptions\n");
+      for (const Option& t : table)
+        std::printf("  -%c, %-14s %s%s\n", t.flag,
+                    cat("--", t.name, t.value ? " N" : " FILE").c_str(), t.help,
+                    t.value ? cat(" (default ", *t.value, ")").c_str() : "");
+      std::printf("  -h, --help         print this help\n  -V, --version      print the version\n");
       return false;
-    } else if (c == 'J') {
-      o.json = optarg;
-    } else if (c == ':') {
-      DATTN_THROW("option ", arg, " needs a value");
-    } else {
-      DATTN_THROW("unknown option '", arg, "' (see --help)");
     }
+    const auto t = std::find_if(table.begin(), table.end(), [&](const Option& t) {
+      return arg == cat("--", t.name) || arg == cat("-", t.flag);
+    });
+    if (t == table.end()) DATTN_THROW("unknown option '", argv[i], "' (see --help)");
+    if (eq == arg.npos) {
+      if (i + 1 == argc) DATTN_THROW("option ", arg, " needs a value");
+      value = argv[++i];
+    }
+    if (!t->value) {
+      *t->text = value;
+      continue;
+    }
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != value.size() || value.empty() || v < t->min || v > t->max)
+      DATTN_THROW("invalid --", t->name, " = '", value, "': expected an integer >= ", t->min,
+                  t->max < INT32_MAX ? " and <= " + std::to_string(t->max) : "");
+    *t->value = v;
   }
-  if (optind < argc) DATTN_THROW("unexpected argument '", argv[optind], "' (see --help)");
   return true;
 }
 
@@ -179,14 +157,14 @@ struct Timing {
 };
 
 template <typename F>
-Timing time_it(int warmup, int iters, F&& run) {
-  for (int i = 0; i < warmup; ++i)
+Timing time_it(const Options& o, F&& run) {
+  for (int i = 0; i < int(o.warmup); ++i)
     run();
   cudaEvent_t start, stop;
   DATTN_CUDA_CHECK(cudaEventCreate(&start));
   DATTN_CUDA_CHECK(cudaEventCreate(&stop));
   double best = 1e300, total = 0;
-  for (int i = 0; i < iters; ++i) {
+  for (int i = 0; i < int(o.iters); ++i) {
     DATTN_CUDA_CHECK(cudaEventRecord(start));
     run();
     DATTN_CUDA_CHECK(cudaEventRecord(stop));
@@ -198,28 +176,27 @@ Timing time_it(int warmup, int iters, F&& run) {
   }
   DATTN_CUDA_CHECK(cudaEventDestroy(stop));
   DATTN_CUDA_CHECK(cudaEventDestroy(start));
-  return {best, total / iters};
+  return {best, total / double(o.iters)};
 }
 
 // ================================================================== measurements
 
-double time_cublas(const Options& o, Timing* t) {
-  const int64_t n = o.gemm_n;
-  const size_t elems = size_t(n * n);
-  DeviceBuffer a(elems * 2), b(elems * 2), c(elems * 2);
-  a.upload(random_bf16(elems, 1).data());
-  b.upload(random_bf16(elems, 2).data());
+Timing time_cublas(const Options& o) {
+  const int n = int(o.gemm_n);
+  const size_t elems = size_t(o.gemm_n * o.gemm_n);
+  DeviceBuffer a(random_bf16(elems, 1).data(), elems * 2),
+      b(random_bf16(elems, 2).data(), elems * 2);
+  DeviceBuffer c(elems * 2);
   cublasHandle_t handle;
   BENCH_CUBLAS_CHECK(cublasCreate(&handle));
   const float alpha = 1.f, beta = 0.f;
-  *t = time_it(int(o.warmup), int(o.iters), [&] {
-    BENCH_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(n), int(n),
-                                    &alpha, a.get(), CUDA_R_16BF, int(n), b.get(), CUDA_R_16BF,
-                                    int(n), &beta, c.get(), CUDA_R_16BF, int(n), CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+  const Timing t = time_it(o, [&] {
+    BENCH_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(),
+                                    CUDA_R_16BF, n, b.get(), CUDA_R_16BF, n, &beta, c.get(),
+                                    CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   });
   BENCH_CUBLAS_CHECK(cublasDestroy(handle));
-  return 2.0 * double(n) * double(n) * double(n) / (t->best_ms * 1e-3) / 1e12;
+  return t;
 }
 
 // The forward's block over [1, S, H_q or H_kv, D] bf16 q, k, v, D_v = D, scale 1/sqrt(D).
@@ -237,55 +214,28 @@ dattn::cuda::AttentionBlock block(const void* q, const void* k, const void* v, i
   return blk;
 }
 
-double attention_flops(const Options& o, bool causal) {
-  const double f = 4.0 * double(o.heads) * double(o.seq) * double(o.seq) * double(o.head_dim);
-  return causal ? f / 2 : f;
-}
-
 // The forward on [1, S, H, D] bf16 q, k, v (heads_kv = H), best and mean of the iterations.
 // Every iteration merges into the same partial (reset once): the same work as a fresh one.
-double time_attention(const Options& o, bool causal, Timing* t) {
+Timing time_attention(const Options& o, bool causal) {
   const size_t elems = size_t(o.seq * o.heads * o.head_dim);
-  DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2);
-  DeviceBuffer out(elems * 4), lse(size_t(o.heads * o.seq) * 4);
-  q.upload(random_bf16(elems, 11).data());
-  k.upload(random_bf16(elems, 12).data());
-  v.upload(random_bf16(elems, 13).data());
+  DeviceBuffer q(random_bf16(elems, 11).data(), elems * 2);
+  DeviceBuffer k(random_bf16(elems, 12).data(), elems * 2);
+  DeviceBuffer v(random_bf16(elems, 13).data(), elems * 2);
+  const std::vector<float> lse0(size_t(o.heads * o.seq), -INFINITY);
+  DeviceBuffer out(elems * 4), lse(lse0.data(), lse0.size() * 4);
   DATTN_CUDA_CHECK(cudaMemset(out.get(), 0, elems * 4));
-  lse.upload(std::vector<float>(size_t(o.heads * o.seq), -INFINITY).data());
   const dattn::cuda::AttentionBlock blk =
       block(q.get(), k.get(), v.get(), o.seq, o.heads, o.heads, o.head_dim, causal);
-  *t = time_it(int(o.warmup), int(o.iters), [&] {
-    dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr);
-  });
-  return attention_flops(o, causal) / (t->best_ms * 1e-3) / 1e12;
+  return time_it(
+      o, [&] { dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr); });
 }
 
-// Elements of a [1, S, Hq, D] partial (out and lse) that differ from the float64 reference by more
-// than tests/gpu/test_cuda_attention.cpp's bf16 tolerance of the forward.
-int64_t count_wrong(const std::vector<float>& h_out, const std::vector<float>& h_lse,
-                    const dattn::cpu::ReferenceResult& ref, int64_t S, int64_t Hq, int64_t D) {
-  int64_t wrong = 0;
-  for (int64_t h = 0; h < Hq; ++h)
-    for (int64_t s = 0; s < S; ++s) {
-      const double rl = ref.lse[size_t(h * S + s)], gl = h_lse[size_t(h * S + s)];
-      if (!(std::fabs(gl - rl) <= 1e-4 + 1e-4 * std::fabs(rl))) ++wrong;
-      const double grow = 1 + std::fabs(rl) / 16;
-      for (int64_t d = 0; d < D; ++d) {
-        const size_t i = size_t((s * Hq + h) * D + d);
-        const double r = ref.out[i];
-        if (!(std::fabs(double(h_out[i]) - r) <= (1e-2 + 1e-2 * std::fabs(r)) * grow)) ++wrong;
-      }
-    }
-  return wrong;
-}
-
-// A check of one kernel: Sq queries at positions Sk.. (after the keys, causal: each sees every
-// key) on Sk keys, Hq query heads on Hkv kv heads, D = head_dim, bf16, against the float64
-// reference; `attend` runs the kernel on the block and the device partial (out, lse).
-template <typename Attend>
+// A check of one kernel: Sq queries at positions q_pos0.. on Sk keys, Hq query heads on Hkv kv
+// heads, D = head_dim, bf16, against the float64 reference: the elements of out and lse over
+// tests/gpu/test_cuda_attention.cpp's bf16 tolerance of the forward. decode: the split-KV decode
+// kernel, else the forward.
 int64_t check_kernel(const Options& o, int64_t Sq, int64_t Sk, int64_t q_pos0, int64_t Hq,
-                     int64_t Hkv, bool causal, Attend&& attend) {
+                     int64_t Hkv, bool causal, bool decode) {
   const int64_t D = o.head_dim;
   const dattn::AttnSpec spec{.heads_q = Hq,
                              .heads_kv = Hkv,
@@ -297,76 +247,63 @@ int64_t check_kernel(const Options& o, int64_t Sq, int64_t Sk, int64_t q_pos0, i
   for (auto [t, seed, scale] : {std::tuple{&q, 21, 2.f}, {&k, 22, 2.f}, {&v, 23, 1.f}})
     for (int64_t i = 0; i < t->numel(); ++i)
       t->set(i, scale * uniform(uint64_t(seed), uint64_t(i)));
-  DeviceBuffer dq(q.nbytes()), dk(k.nbytes()), dv(v.nbytes());
-  dq.upload(q.data());
-  dk.upload(k.data());
-  dv.upload(v.data());
+  DeviceBuffer dq(q.data(), q.nbytes()), dk(k.data(), k.nbytes()), dv(v.data(), v.nbytes());
   std::vector<float> h_out(size_t(Sq * Hq * D), 0.f), h_lse(size_t(Hq * Sq), -INFINITY);
-  DeviceBuffer out(h_out.size() * 4), lse(h_lse.size() * 4);
-  out.upload(h_out.data());
-  lse.upload(h_lse.data());
+  DeviceBuffer out(h_out.data(), h_out.size() * 4), lse(h_lse.data(), h_lse.size() * 4);
   dattn::cuda::AttentionBlock blk = block(dq.get(), dk.get(), dv.get(), Sk, Hq, Hkv, D, causal);
   blk.seq_q = Sq;
   blk.q_pos0 = q_pos0;
-  attend(blk, out.get<float>(), lse.get<float>());
+  (decode ? dattn::cuda::decode_forward : dattn::cuda::attention_forward)(
+      blk, out.get<float>(), lse.get<float>(), nullptr);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   out.download(h_out.data());
   lse.download(h_lse.data());
-  return count_wrong(h_out, h_lse, dattn::cpu::attention_reference(q, k, v, spec, q_pos0, 0), Sq,
-                     Hq, D);
-}
-
-// The forward's check: S = check_seq, H = 2 query heads on 1 kv head (GQA).
-int64_t check_attention(const Options& o, bool causal) {
-  return check_kernel(o, o.check_seq, o.check_seq, 0, 2, 1, causal,
-                      [](const dattn::cuda::AttentionBlock& b, float* out, float* lse) {
-                        dattn::cuda::attention_forward(b, out, lse, nullptr);
-                      });
-}
-
-// The decode kernel's check: one query after 5003 keys (several splits, a partial last tile),
-// kDecodeHeads query heads on hkv kv heads.
-int64_t check_decode(const Options& o, int64_t hkv) {
-  return check_kernel(o, 1, 5003, 5003, kDecodeHeads, hkv, true,
-                      [](const dattn::cuda::AttentionBlock& b, float* out, float* lse) {
-                        dattn::cuda::decode_forward(b, out, lse, nullptr);
-                      });
+  const dattn::cpu::ReferenceResult ref = dattn::cpu::attention_reference(q, k, v, spec, q_pos0, 0);
+  int64_t wrong = 0;
+  for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t s = 0; s < Sq; ++s) {
+      const double rl = ref.lse[size_t(h * Sq + s)], gl = h_lse[size_t(h * Sq + s)];
+      if (!(std::fabs(gl - rl) <= 1e-4 + 1e-4 * std::fabs(rl))) ++wrong;
+      const double grow = 1 + std::fabs(rl) / 16;
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t i = size_t((s * Hq + h) * D + d);
+        const double r = ref.out[i];
+        if (!(std::fabs(double(h_out[i]) - r) <= (1e-2 + 1e-2 * std::fabs(r)) * grow)) ++wrong;
+      }
+    }
+  return wrong;
 }
 
 // The device's copy bandwidth: cudaMemcpy device to device of 1 GiB; read and write bytes
 // counted (2 GiB per copy), GB/s from the best iteration.
-double copy_bandwidth(const Options& o, Timing* t) {
+Timing time_copy(const Options& o) {
   const size_t bytes = size_t(1) << 30;
   DeviceBuffer src(bytes), dst(bytes);
   DATTN_CUDA_CHECK(cudaMemset(src.get(), 0x3c, bytes));
-  *t = time_it(int(o.warmup), int(o.iters), [&] {
+  return time_it(o, [&] {
     DATTN_CUDA_CHECK(cudaMemcpy(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice));
   });
-  return 2.0 * double(bytes) / (t->best_ms * 1e-3) / 1e9;
 }
 
 // One decode step per iteration: a query after `context` keys of bf16 K and V [1, context, hkv,
 // D] (causal: it sees them all), merged into one partial. The cache's values are a constant
-// (cudaMemset; the kernel's time does not depend on them; check_decode checks the numbers). GB/s:
-// the K and V bytes streamed, from the best iteration.
-double time_decode(const Options& o, int64_t hkv, Timing* t) {
+// (cudaMemset; the kernel's time does not depend on them; check_kernel checks the numbers).
+Timing time_decode(const Options& o, int64_t hkv) {
   const int64_t D = o.head_dim;
   const size_t kv_bytes = size_t(o.context * hkv * D) * 2;
-  DeviceBuffer q(size_t(kDecodeHeads * D) * 2), k(kv_bytes), v(kv_bytes);
-  DeviceBuffer out(size_t(kDecodeHeads * D) * 4), lse(size_t(kDecodeHeads) * 4);
-  q.upload(random_bf16(size_t(kDecodeHeads * D), 31).data());
+  DeviceBuffer q(random_bf16(size_t(kDecodeHeads * D), 31).data(), size_t(kDecodeHeads * D) * 2);
+  DeviceBuffer k(kv_bytes), v(kv_bytes), out(size_t(kDecodeHeads * D) * 4);
+  const std::vector<float> lse0(size_t(kDecodeHeads), -INFINITY);
+  DeviceBuffer lse(lse0.data(), lse0.size() * 4);
   DATTN_CUDA_CHECK(cudaMemset(k.get(), 0x3c, kv_bytes));
   DATTN_CUDA_CHECK(cudaMemset(v.get(), 0x3c, kv_bytes));
   DATTN_CUDA_CHECK(cudaMemset(out.get(), 0, out.bytes()));
-  lse.upload(std::vector<float>(size_t(kDecodeHeads), -INFINITY).data());
   dattn::cuda::AttentionBlock blk =
       block(q.get(), k.get(), v.get(), o.context, kDecodeHeads, hkv, D, true);
   blk.seq_q = 1;
   blk.q_pos0 = o.context;
-  *t = time_it(int(o.warmup), int(o.iters), [&] {
-    dattn::cuda::decode_forward(blk, out.get<float>(), lse.get<float>(), nullptr);
-  });
-  return 2.0 * double(kv_bytes) / (t->best_ms * 1e-3) / 1e9;
+  return time_it(
+      o, [&] { dattn::cuda::decode_forward(blk, out.get<float>(), lse.get<float>(), nullptr); });
 }
 
 // ================================================================== report
@@ -377,55 +314,58 @@ std::string fixed(double v, int precision) {
   return buf;
 }
 
-struct Row {
-  std::string name, problem;
-  std::string json_name;  // device_check.sh pairs rows named dattn* with torch's SDPA rows
-  bool causal = false;
-  int64_t seq = 0;
-  Timing t;
-  double tflops = 0;
-  int64_t wrong = -1;  // < 0: no check
-};
-
-void print_row(const Row& r) {
-  std::printf(" %-14s %-36s %10s %10s %9s %7s\n", r.name.c_str(), r.problem.c_str(),
-              fixed(r.t.best_ms, 3).c_str(), fixed(r.t.mean_ms, 3).c_str(),
-              fixed(r.tflops, 1).c_str(), r.wrong < 0 ? "-" : std::to_string(r.wrong).c_str());
+// One line of a table, '#' (heading) or ' ' (a row) first: section, problem, best, mean, rate,
+// then the decode table's ratio, then #wrong.
+void print_line(char lead, const std::vector<std::string>& c) {
+  std::printf("%c %-14s %-36s %10s %10s %9s", lead, c[0].c_str(), c[1].c_str(), c[2].c_str(),
+              c[3].c_str(), c[4].c_str());
+  for (size_t i = 5; i < c.size(); ++i)
+    std::printf(" %7s", c[i].c_str());
+  std::printf("\n");
 }
 
-std::string json_row(const Row& r, const Options& o, bool gemm) {
+// A row of either table and its JSON.
+struct Row {
+  Row(std::string s, std::string p) : section(std::move(s)), problem(std::move(p)) {}
+  std::string section, problem;
+  Timing t;
+  double rate = 0;     // TFLOP/s (forward table) or GB/s (decode table), from the best time
+  double ratio = -1;   // the decode rows': rate / the copy bandwidth; < 0: none
+  int64_t wrong = -1;  // < 0: no check
+  std::string json;    // device_check.sh pairs rows named dattn* with torch's SDPA rows
+  std::vector<std::string> cells(bool decode_table) const {
+    std::vector<std::string> c = {section, problem, fixed(t.best_ms, 3), fixed(t.mean_ms, 3),
+                                  fixed(rate, 1)};
+    if (decode_table) c.push_back(ratio < 0 ? "-" : fixed(ratio, 3));
+    c.push_back(wrong < 0 ? "-" : std::to_string(wrong));
+    return c;
+  }
+};
+
+std::string json_row(const char* name, bool causal, int64_t seq, int64_t heads, int64_t head_dim,
+                     const Row& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "{\"name\": \"%s\", \"dtype\": \"bf16\", \"causal\": %s, \"seq\": %lld, "
                 "\"heads\": %lld, \"head_dim\": %lld, \"time_ms\": %.6g, \"mean_ms\": %.6g, "
                 "\"tflops\": %.6g, \"wrong\": %lld}",
-                r.json_name.c_str(), r.causal ? "true" : "false",
-                static_cast<long long>(gemm ? o.gemm_n : o.seq),
-                static_cast<long long>(gemm ? 1 : o.heads),
-                static_cast<long long>(gemm ? o.gemm_n : o.head_dim), r.t.best_ms, r.t.mean_ms,
-                r.tflops, static_cast<long long>(r.wrong));
+                name, causal ? "true" : "false", static_cast<long long>(seq),
+                static_cast<long long>(heads), static_cast<long long>(head_dim), r.t.best_ms,
+                r.t.mean_ms, r.rate, static_cast<long long>(r.wrong));
   return buf;
 }
 
-// A decode row: one step on heads_kv kv heads.
-struct DecodeRow {
-  int64_t heads_kv = 0;
-  Timing t;
-  double gbps = 0, ratio = 0;  // ratio: to the copy bandwidth
-  int64_t wrong = 0;
-};
-
-std::string json_decode_row(const DecodeRow& d, const Options& o) {
+std::string json_decode_row(const Options& o, int64_t hkv, const Row& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "{\"name\": \"decode_hkv%lld\", \"dtype\": \"bf16\", \"context\": %lld, "
                 "\"heads\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, \"seq_q\": 1, "
                 "\"time_ms\": %.6g, \"mean_ms\": %.6g, \"gbps\": %.6g, \"ratio\": %.6g, "
                 "\"wrong\": %lld}",
-                static_cast<long long>(d.heads_kv), static_cast<long long>(o.context),
-                static_cast<long long>(kDecodeHeads), static_cast<long long>(d.heads_kv),
-                static_cast<long long>(o.head_dim), d.t.best_ms, d.t.mean_ms, d.gbps, d.ratio,
-                static_cast<long long>(d.wrong));
+                static_cast<long long>(hkv), static_cast<long long>(o.context),
+                static_cast<long long>(kDecodeHeads), static_cast<long long>(hkv),
+                static_cast<long long>(o.head_dim), r.t.best_ms, r.t.mean_ms, r.rate, r.ratio,
+                static_cast<long long>(r.wrong));
   return buf;
 }
 
@@ -458,11 +398,10 @@ int run(int argc, char** argv) {
   // ---------------------------------------------------------------- header
   std::printf("# dattn CUDA kernel benchmark, version %s\n", DATTN_VERSION);
   std::printf("# %s\n",
-              dattn::detail::cat("seq ", o.seq, " heads ", o.heads, " kv-heads ", o.heads,
-                                 " head-dim ", o.head_dim, " dtype bf16 batch 1 iters ", o.iters,
-                                 " warmup ", o.warmup, " gemm-n ", o.gemm_n, " check-seq ",
-                                 o.check_seq, " context ", o.context, " kernel ",
-                                 dattn::cuda::kernel_variant(DType::bf16, o.head_dim, o.head_dim))
+              cat("seq ", o.seq, " heads ", o.heads, " kv-heads ", o.heads, " head-dim ",
+                  o.head_dim, " dtype bf16 batch 1 iters ", o.iters, " warmup ", o.warmup,
+                  " gemm-n ", o.gemm_n, " check-seq ", o.check_seq, " context ", o.context,
+                  " kernel ", dattn::cuda::kernel_variant(DType::bf16, o.head_dim, o.head_dim))
                   .c_str());
   std::printf("# memory pool: release threshold UINT64_MAX (freed memory kept between calls)\n");
   std::printf("# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n#\n# Using devices\n", DATTN_WITH_CUDA,
@@ -473,84 +412,80 @@ int run(int argc, char** argv) {
   std::fflush(stdout);
 
   // ---------------------------------------------------------------- measurements
+  // (a) cuBLAS, (b) and (c) the forward causal and not: TFLOP/s from the best time.
   std::vector<Row> rows;
-  Row g;
-  g.name = "(a) cublas";
-  g.json_name = "cublas_gemm_bf16";
-  g.problem = std::to_string(o.gemm_n) + "^3 bf16 GEMM, fp32 compute";
-  g.seq = o.gemm_n;
-  g.tflops = time_cublas(o, &g.t);
-  rows.push_back(g);
+  const double n = double(o.gemm_n);
+  Row& g = rows.emplace_back("(a) cublas", cat(o.gemm_n, "^3 bf16 GEMM, fp32 compute"));
+  g.t = time_cublas(o);
+  g.rate = 2.0 * n * n * n / (g.t.best_ms * 1e-3) / 1e12;
+  g.json = json_row("cublas_gemm_bf16", false, o.gemm_n, 1, o.gemm_n, g);
   for (bool causal : {true, false}) {
-    Row r;
-    r.name = causal ? "(b) causal" : "(c) noncausal";
-    r.json_name = causal ? "dattn_forward_causal" : "dattn_forward_noncausal";
-    r.problem = "B=1 H=" + std::to_string(o.heads) + " S=" + std::to_string(o.seq) +
-                " D=" + std::to_string(o.head_dim) + (causal ? " causal" : " none");
-    r.causal = causal;
-    r.seq = o.seq;
-    r.wrong = check_attention(o, causal);
-    r.tflops = time_attention(o, causal, &r.t);
-    rows.push_back(r);
+    Row& r = rows.emplace_back(
+        causal ? "(b) causal" : "(c) noncausal",
+        cat("B=1 H=", o.heads, " S=", o.seq, " D=", o.head_dim, causal ? " causal" : " none"));
+    // The forward's check: S = check_seq, H = 2 query heads on 1 kv head (GQA).
+    r.wrong = check_kernel(o, o.check_seq, o.check_seq, 0, 2, 1, causal, false);
+    r.t = time_attention(o, causal);
+    const double flops = 4.0 * double(o.heads) * double(o.seq) * double(o.seq) * double(o.head_dim);
+    r.rate = (causal ? flops / 2 : flops) / (r.t.best_ms * 1e-3) / 1e12;
+    r.json = json_row(causal ? "dattn_forward_causal" : "dattn_forward_noncausal", causal, o.seq,
+                      o.heads, o.head_dim, r);
   }
-  // Decode: the device's copy bandwidth, then one row per kv head count.
-  std::vector<DecodeRow> decode_rows;
-  Timing copy_t;
-  const double copy_gbps = o.context > 0 ? copy_bandwidth(o, &copy_t) : 0;
-  for (int64_t hkv : kDecodeKvHeads) {
-    if (o.context == 0) break;
-    DecodeRow d;
-    d.heads_kv = hkv;
-    d.wrong = check_decode(o, hkv);
-    d.gbps = time_decode(o, hkv, &d.t);
-    d.ratio = d.gbps / copy_gbps;
-    decode_rows.push_back(d);
+  // Decode: (g) the device's copy bandwidth, then one row per kv head count: GB/s of the K and V
+  // bytes streamed per step, against (g).
+  std::vector<Row> decode_rows;
+  double decode_ratio = 0;  // the lowest over the rows
+  if (o.context > 0) {
+    Row& c = decode_rows.emplace_back("(g) copy", "1 GiB cudaMemcpy D2D, read + write");
+    c.t = time_copy(o);
+    c.rate = 2.0 * double(size_t(1) << 30) / (c.t.best_ms * 1e-3) / 1e9;
+    decode_ratio = 1e300;
+    char section = 'h';
+    for (int64_t hkv : kDecodeKvHeads) {
+      Row& d = decode_rows.emplace_back(
+          cat("(", section++, ") decode"),
+          cat("H=", kDecodeHeads, " H_kv=", hkv, " S_k=", o.context, " D=", o.head_dim, " S_q=1"));
+      // One query after 5003 keys: several splits, a partial last tile.
+      d.wrong = check_kernel(o, 1, 5003, 5003, kDecodeHeads, hkv, true, true);
+      d.t = time_decode(o, hkv);
+      d.rate = 2.0 * double(o.context * hkv * o.head_dim * 2) / (d.t.best_ms * 1e-3) / 1e9;
+      d.ratio = d.rate / decode_rows.front().rate;
+      d.json = json_decode_row(o, hkv, d);
+      decode_ratio = std::min(decode_ratio, d.ratio);
+    }
   }
 
   // ---------------------------------------------------------------- table and footer
-  std::printf("# %-14s %-36s %10s %10s %9s %7s\n", "section", "problem", "best", "mean", "TFLOP/s",
-              "#wrong");
-  std::printf("# %-14s %-36s %10s %10s %9s %7s\n", "", "", "(ms)", "(ms)", "", "");
+  print_line('#', {"section", "problem", "best", "mean", "TFLOP/s", "#wrong"});
+  print_line('#', {"", "", "(ms)", "(ms)", "", ""});
   for (const Row& r : rows)
-    print_row(r);
-  double decode_ratio = decode_rows.empty() ? 0 : 1e300;  // the lowest over the rows
+    print_line(' ', r.cells(false));
   int64_t wrong = rows[1].wrong + rows[2].wrong;
   if (o.context > 0) {
-    std::printf("#\n# %-14s %-36s %10s %10s %9s %7s %7s\n", "section", "problem", "best", "mean",
-                "GB/s", "ratio", "#wrong");
-    std::printf("# %-14s %-36s %10s %10s %9s %7s %7s\n", "", "", "(ms)", "(ms)", "", "to (g)", "");
-    std::printf(" %-14s %-36s %10s %10s %9s %7s %7s\n", "(g) copy",
-                "1 GiB cudaMemcpy D2D, read + write", fixed(copy_t.best_ms, 3).c_str(),
-                fixed(copy_t.mean_ms, 3).c_str(), fixed(copy_gbps, 1).c_str(), "-", "-");
-    char section = 'h';
-    for (const DecodeRow& d : decode_rows) {
-      const std::string name = std::string("(") + section++ + ") decode";
-      const std::string problem =
-          dattn::detail::cat("H=", kDecodeHeads, " H_kv=", d.heads_kv, " S_k=", o.context,
-                             " D=", o.head_dim, " S_q=1");
-      std::printf(" %-14s %-36s %10s %10s %9s %7s %7lld\n", name.c_str(), problem.c_str(),
-                  fixed(d.t.best_ms, 3).c_str(), fixed(d.t.mean_ms, 3).c_str(),
-                  fixed(d.gbps, 1).c_str(), fixed(d.ratio, 3).c_str(),
-                  static_cast<long long>(d.wrong));
-      decode_ratio = std::min(decode_ratio, d.ratio);
-      wrong += d.wrong;
+    std::printf("#\n");
+    print_line('#', {"section", "problem", "best", "mean", "GB/s", "ratio", "#wrong"});
+    print_line('#', {"", "", "(ms)", "(ms)", "", "to (g)", ""});
+    for (const Row& d : decode_rows) {
+      print_line(' ', d.cells(true));
+      wrong += std::max<int64_t>(d.wrong, 0);
     }
   }
-  const double ratio_causal = rows[1].tflops / rows[0].tflops;
-  const double ratio_full = rows[2].tflops / rows[0].tflops;
+  const double ratio_causal = rows[1].rate / rows[0].rate;
+  const double ratio_full = rows[2].rate / rows[0].rate;
   const bool decode_pass = o.context == 0 || decode_ratio >= kDecodeTarget;
   const bool pass = ratio_causal >= kTarget && ratio_full >= kTarget && decode_pass;
+  const auto verdict = [](const char* label, double v, double target, const char* note) {
+    std::printf("# %-26s: %s (%starget >= %.2f) %s\n", label, fixed(v, 3).c_str(), note, target,
+                v >= target ? "PASS" : "FAIL");
+  };
   std::printf(
       "# FLOPs: attention 4 B H S^2 D (halved for causal); GEMM 2 n^3; TFLOP/s from best\n");
-  std::printf("# %-26s: %s (target >= %.2f) %s\n", "(d) causal / cuBLAS",
-              fixed(ratio_causal, 3).c_str(), kTarget, ratio_causal >= kTarget ? "PASS" : "FAIL");
-  std::printf("# %-26s: %s (target >= %.2f) %s\n", "(e) noncausal / cuBLAS",
-              fixed(ratio_full, 3).c_str(), kTarget, ratio_full >= kTarget ? "PASS" : "FAIL");
+  verdict("(d) causal / cuBLAS", ratio_causal, kTarget, "");
+  verdict("(e) noncausal / cuBLAS", ratio_full, kTarget, "");
   if (o.context > 0) {
     std::printf(
         "# decode bytes: K + V of the cache (2 S_k H_kv D bf16) per step; GB/s from best\n");
-    std::printf("# %-26s: %s (lowest over H_kv; target >= %.2f) %s\n", "(k) decode / copy",
-                fixed(decode_ratio, 3).c_str(), kDecodeTarget, decode_pass ? "PASS" : "FAIL");
+    verdict("(k) decode / copy", decode_ratio, kDecodeTarget, "lowest over H_kv; ");
   }
   std::printf(
       "# %-26s: %lld elements over tolerance (forward S=%lld, decode S_k=5003 checks vs "
@@ -561,23 +496,23 @@ int run(int argc, char** argv) {
   std::fflush(stdout);
 
   if (!o.json.empty()) {
-    std::string text = "{\"program\": \"dattn-cuda-kernel-bench\", \"version\": \"";
-    text += DATTN_VERSION;
-    text += "\", \"device\": \"" + std::string(prop.name) + "\", \"rows\": [";
-    for (size_t i = 0; i < rows.size(); ++i)
-      text += (i ? ", " : "") + json_row(rows[i], o, i == 0);
-    text += "], \"decode_rows\": [";
-    for (size_t i = 0; i < decode_rows.size(); ++i)
-      text += (i ? ", " : "") + json_decode_row(decode_rows[i], o);
-    text += "], \"copy_gbps\": " + fixed(copy_gbps, 3) +
-            ", \"decode_ratio\": " + fixed(decode_ratio, 6) +
-            ", \"decode_target\": " + fixed(kDecodeTarget, 2);
-    text += ", \"ratio_causal\": " + fixed(ratio_causal, 6) +
-            ", \"ratio_noncausal\": " + fixed(ratio_full, 6) +
-            ", \"target\": " + fixed(kTarget, 2) + ", \"wrong\": " + std::to_string(wrong) +
-            ", \"pass\": " + (pass && wrong == 0 ? "true" : "false") + "}\n";
+    const auto list = [](const std::vector<Row>& rs) {
+      std::string s;
+      for (const Row& r : rs)
+        if (!r.json.empty()) s += (s.empty() ? "" : ", ") + r.json;
+      return "[" + s + "]";
+    };
+    const double copy_gbps = decode_rows.empty() ? 0 : decode_rows.front().rate;
     std::ofstream f(o.json);
-    f << text;
+    f << "{\"program\": \"dattn-cuda-kernel-bench\", \"version\": \"" << DATTN_VERSION
+      << "\", \"device\": \"" << prop.name << "\", \"rows\": " << list(rows)
+      << ", \"decode_rows\": " << list(decode_rows) << ", \"copy_gbps\": " << fixed(copy_gbps, 3)
+      << ", \"decode_ratio\": " << fixed(decode_ratio, 6)
+      << ", \"decode_target\": " << fixed(kDecodeTarget, 2)
+      << ", \"ratio_causal\": " << fixed(ratio_causal, 6)
+      << ", \"ratio_noncausal\": " << fixed(ratio_full, 6) << ", \"target\": " << fixed(kTarget, 2)
+      << ", \"wrong\": " << wrong << ", \"pass\": " << (pass && wrong == 0 ? "true" : "false")
+      << "}\n";
     if (!f) DATTN_THROW("cannot write --json file '", o.json, "'");
   }
   return wrong == 0 ? 0 : 1;

@@ -23,13 +23,6 @@ namespace {
 using detail::cat;
 using report::fixed;
 
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };  // the hashed inputs of bench_inputs.h
-
-// Against float64, with inputs rounded to the storage dtype on both sides: the CPU kernel computes
-// in fp32 whatever the dtype; the CUDA kernel rounds P to it before O += P V (its out bound is a
-// 16-bit rounding of out), its lse from fp32 scores. Strategies must agree within kSame.
-constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
-
 // The strategy's extra memory per rank by model, in bytes: tree keeps the partial and the packed
 // buffer of the allreduces (B * S_q * H * (D_v + 1) fp32, twice); ring two receive buffers of
 // the largest shard's K and V (none on one rank); allgather the whole context's K and V.
@@ -104,13 +97,17 @@ class DecodeWorkload final : public Workload {
             settings()};
   }
 
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("strategies", names_).add("context", context_).add("layout", layout_);
-    cfg.add("placement", placement_name(placement_)).add("mask", "causal");
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"strategies", names_},
+                {"context", context_},
+                {"layout", layout_},
+                {"placement", placement_name(placement_)},
+                {"mask", "causal"}});
     shape_.json(cfg);
-    cfg.add("new_tokens", new_tokens_);
-    cfg.add("node_size", node_size_).add("model_node_size", model_nodes_);
-    cfg.add("two_level_tree", two_level_);
+    cfg.update({{"new_tokens", new_tokens_},
+                {"node_size", node_size_},
+                {"model_node_size", model_nodes_},
+                {"two_level_tree", two_level_}});
   }
 
   // A GPU's table adds TFLOP/s (a CPU rank's decode is bound by memory and messages).
@@ -146,11 +143,12 @@ class DecodeWorkload final : public Workload {
     two_level_ = rt.spans_nodes();
     if (b.check() && !ref_) {  // of the checked step, the last one, the same for every strategy
       b.note(cat("check: float64 reference of the last step over all ", final_length(), " keys"));
+      // The CUDA kernel rounds P to the dtype before O += P V (its out bound is a 16-bit
+      // rounding of out), its lse from fp32 scores.
       const bool bf16 = shape_.dtype == DType::bf16, gpu = b.per_gpu();
-      tol_out_ = !gpu ? kTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
-      tol_lse_ = !gpu ? kTol : Tolerance{2e-4, 2e-4};
-      ref_ = decode_reference({B, Sq, shape_.heads, shape_.kv_heads, shape_.head_dim},
-                              final_length(), kQ, kK, kV, HashedRows{shape_.dtype});
+      tol_out_ = !gpu ? kDecodeTol : bf16 ? Tolerance{1e-3, 1e-2} : Tolerance{3e-4, 3e-3};
+      tol_lse_ = !gpu ? kDecodeTol : Tolerance{2e-4, 2e-4};
+      ref_ = decode_reference(shape_, Sq, final_length(), shape_.dtype);
     }
 
     // A fresh cache on the runtime's device (a GPU cache copies the host-generated rows up).
@@ -191,9 +189,12 @@ class DecodeWorkload final : public Workload {
     }
     const double extra = extra_bytes_model(strategy, cache, Sq) / (1024.0 * 1024.0);
     const double rss = allreduce_max(peak_rss_mib());
-    row.extra.add("final_length", cache.length()).add("p50_ms", t.p50_ms).add("p99_ms", t.p99_ms);
-    row.extra.add("extra_mib_model", extra).add("rss_mib", rss);
-    row.extra.add("byte_mismatches", int64_t(row.byte_mismatches));
+    row.extra = {{"final_length", cache.length()},
+                 {"p50_ms", t.p50_ms},
+                 {"p99_ms", t.p99_ms},
+                 {"extra_mib_model", extra},
+                 {"rss_mib", rss},
+                 {"byte_mismatches", row.byte_mismatches}};
     if (b.check()) {  // on the host: this rank's heads against the reference, then the first run
       Partial got = res;
       if (!dev.is_cpu()) got = {res.out.to_device(Device::cpu()), res.lse.to_device(Device::cpu())};
@@ -201,16 +202,17 @@ class DecodeWorkload final : public Workload {
       vs.compare(got, ref_->out.data(), ref_->lse.data(), shape_.heads, rt.tp_rank() * H, tol_out_,
                  tol_lse_);
       vs = vs.reduced();
-      row.extra.add("checked_elements", int64_t(vs.out.checked + vs.lse.checked));
+      row.extra["checked_elements"] = vs.out.checked + vs.lse.checked;
       record(row, vs_ref_, vs, "wrong_vs_float64", "err");
       if (first_) {
-        same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSame, kSame);
+        same.compare(got, first_->out.ptr<float>(), first_->lse.ptr<float>(), H, 0, kSameTol,
+                     kSameTol);
         record(row, vs_first_, same.reduced(), "wrong_vs_first_strategy", "diff");
       }
       if (!first_) first_ = got;
     }
     const auto f3 = [](double v) { return fixed(v, 3); };
-    if (t.kernel_gbs >= 0) row.extra.add("kernel_gbs", t.kernel_gbs);
+    if (t.kernel_gbs >= 0) row.extra["kernel_gbs"] = t.kernel_gbs;
     row.cells = {name,          std::to_string(context_), f3(t.step_mean_ms),   f3(t.p50_ms),
                  f3(t.p99_ms),  f3(t.sent_mb * 1e3),      f3(t.model_mb * 1e3), f3(extra),
                  fixed(rss, 1), kernel_cell(t),           wrong_cell(row)};
@@ -219,16 +221,16 @@ class DecodeWorkload final : public Workload {
     return {row};
   }
 
-  void finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) override {
+  void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
     if (b.root() && b.check()) {  // the check's totals over the strategies, with their bounds
-      report::print_footer_line(stdout, "vs float64",
-                                cat(vs_ref_.line("err"), " (within out ", tol_out_.abs, " + ",
-                                    tol_out_.rel, "*|ref|, lse ", tol_lse_.abs, " + ", tol_lse_.rel,
-                                    "*|ref|, ", final_length(), " keys)"));
+      report::print_footer_line(
+          "vs float64", cat(vs_ref_.line("err"), " (within out ", tol_out_.abs, " + ", tol_out_.rel,
+                            "*|ref|, lse ", tol_lse_.abs, " + ", tol_lse_.rel, "*|ref|, ",
+                            final_length(), " keys)"));
       if (vs_first_.out.checked > 0)
-        report::print_footer_line(stdout, "strategies agree",
-                                  cat(vs_first_.line("diff"), " (within ", kSame.abs, " + ",
-                                      kSame.rel, "*|first strategy|)"));
+        report::print_footer_line("strategies agree",
+                                  cat(vs_first_.line("diff"), " (within ", kSameTol.abs, " + ",
+                                      kSameTol.rel, "*|first strategy|)"));
     }
     // tree against ring (the target) and allgather: times faster (mean, p50) and fewer bytes.
     std::optional<bool> met;  // set when tree and ring both ran
@@ -240,9 +242,8 @@ class DecodeWorkload final : public Workload {
       b.note(cat("tree vs ", strategy_name(other), ": latency ", fixed(mean, 1),
                  "x faster (mean; p50 ", fixed(p50, 1), "x), bytes ",
                  o.sent_mb > 0 ? cat(fixed(bytes, 1), "x fewer") : "n/a (nothing sent)"));
-      report::JsonObject j;
-      j.add("latency_mean", mean).add("latency_p50", p50).add("bytes", bytes);
-      top.add_raw(cat("tree_vs_", strategy_name(other)), j.str());
+      top[cat("tree_vs_", strategy_name(other))] = {
+          {"latency_mean", mean}, {"latency_p50", p50}, {"bytes", bytes}};
       if (other == DecodeStrategy::ring) met = mean >= 8 && bytes >= 100;
     }
     const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && context_ == 262144 &&
@@ -255,11 +256,12 @@ class DecodeWorkload final : public Workload {
             : !met  ? " (this run has not both tree and ring)"
             : *met  ? ": met"
                     : ": NOT met"));
-    report::JsonObject j;
-    j.add("ranks", 4).add("context", int64_t(262144)).add("latency_ratio_vs_ring", 8.0);
-    j.add("bytes_ratio_vs_ring", 100.0).add("this_run_is_target", target);
-    if (target && met) j.add("met", *met);
-    top.add_raw("target", j.str());
+    top["target"] = {{"ranks", 4},
+                     {"context", 262144},
+                     {"latency_ratio_vs_ring", 8.0},
+                     {"bytes_ratio_vs_ring", 100.0},
+                     {"this_run_is_target", target}};
+    if (target && met) top["target"]["met"] = *met;
 
     // The roofline: each strategy's local kernel against the read bandwidth; the target is on
     // the lowest of them.
@@ -279,11 +281,10 @@ class DecodeWorkload final : public Workload {
                : low >= 0.8 ? ": met"
                : low >= 0.6 ? ": NOT met (above the floor)"
                             : ": NOT met (below the floor)"));
-    report::JsonObject jr;
-    jr.add("ranks", 1).add("threads", 2).add("context", int64_t(262144)).add("ratio", 0.8);
-    jr.add("floor", 0.6).add("this_run_is_target", roof_target);
-    if (roof_target && low >= 0) jr.add("met", low >= 0.8).add("above_floor", low >= 0.6);
-    top.add_raw("roofline_target", jr.str());
+    report::Json& jr = top["roofline_target"] = {
+        {"ranks", 1},   {"threads", 2}, {"context", 262144},
+        {"ratio", 0.8}, {"floor", 0.6}, {"this_run_is_target", roof_target}};
+    if (roof_target && low >= 0) jr["met"] = low >= 0.8, jr["above_floor"] = low >= 0.6;
   }
 
   // Every rank's context and decoded tokens, heads and model bytes per step for each strategy, from
@@ -324,7 +325,7 @@ class DecodeWorkload final : public Workload {
     p.table(cols);
     p.for_shown(W, [&](int rank) {
       const int c = rank / T, tp = rank % T;
-      std::vector<std::string> cells, runs;
+      std::vector<std::string> cells;
       for (int64_t v : {int64_t(rank), int64_t(c), int64_t(tp), layout.local_len(c),
                         cache.local_len(c) - layout.local_len(c)})
         cells.push_back(std::to_string(v));
@@ -332,9 +333,7 @@ class DecodeWorkload final : public Workload {
       cells.push_back(report::index_range(tp * Gl, Gl));
       for (double v : kb.at(c))
         cells.push_back(fixed(v, 3));
-      for (const Run& run : cache.runs(c))
-        if (run.length > 0) runs.push_back(report::run_desc(run));
-      cells.push_back(report::join(runs, " "));
+      cells.push_back(report::positions(cache.runs(c)));
       p.row(cells);
     });
   }
@@ -360,9 +359,9 @@ class DecodeWorkload final : public Workload {
   void record(Row& row, DecodeCheck& sum, const DecodeCheck& e, const char* key, const char* err) {
     sum.add(e);
     row.result.wrong += int64_t(e.wrong());
-    row.extra.add(key, int64_t(e.wrong()))
-        .add(cat("max_", err, "_out"), e.out.max_err)
-        .add(cat("max_", err, "_lse"), e.lse.max_err);
+    row.extra.update({{key, e.wrong()},
+                      {cat("max_", err, "_out"), e.out.max_err},
+                      {cat("max_", err, "_lse"), e.lse.max_err}});
   }
 
   int64_t context_ = 65536, new_tokens_ = 1;

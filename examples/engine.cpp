@@ -11,9 +11,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <iostream>
+#include <type_traits>
 
 #include "collective/mpi_communicator.h"
 #include "kernels/cpu/attention_cpu.h"
@@ -29,19 +29,26 @@ using detail::cat;
 
 // ------------------------------------------------------------------ small services
 
+namespace {
+template <typename T>
+T allreduce(T v, MPI_Op op) {
+  const MPI_Datatype type = std::is_same_v<T, double> ? MPI_DOUBLE : MPI_UINT64_T;
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, type, op, MPI_COMM_WORLD));
+  return v;
+}
+}  // namespace
+
 double allreduce_max(double v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_MAX);
 }
-
 uint64_t allreduce_max(uint64_t v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_MAX);
 }
-
 uint64_t allreduce_sum(uint64_t v) {
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_UINT64_T, MPI_SUM, MPI_COMM_WORLD));
-  return v;
+  return allreduce(v, MPI_SUM);
+}
+double allreduce_sum(double v) {
+  return allreduce(v, MPI_SUM);
 }
 
 std::string verdict(bool is_target, bool met, const char* otherwise) {
@@ -64,12 +71,23 @@ Spread spread(int n, const std::function<double(int)>& f) {
   return s;
 }
 
+namespace {
+
+int world_rank() {
+  int rank = 0;
+  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+// Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
 double percentile(const std::vector<double>& sorted, double p) {
   const size_t n = sorted.size();
   const size_t k = std::clamp<size_t>(size_t(std::ceil(p / 100.0 * double(n))), 1, n);
   return sorted[k - 1];
 }
 
+// The read bandwidth of roofline_footer: 1 GiB / node_ranks per rank (1 GiB per node: larger
+// than a last-level cache) that the rank's threads wrote; GB/s (1e9 B), the mean over ranks.
 double read_bandwidth_gbs(int node_ranks) {
   // 16 independent float sums per thread (the compiler keeps them in vector registers; one sum
   // would be bound by the latency of its adds, not by memory).
@@ -105,28 +123,39 @@ double read_bandwidth_gbs(int node_ranks) {
   return best / ranks;
 }
 
+// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t begin = 0;;) {
+    const size_t at = s.find(',', begin);
+    out.push_back(s.substr(begin, at == std::string::npos ? at : at - begin));
+    if (at == std::string::npos) return out;
+    begin = at + 1;
+  }
+}
+
+}  // namespace
+
 std::vector<double> roofline_footer(Bench& b,
                                     const std::vector<std::pair<std::string, double>>& kernels,
-                                    report::JsonObject& top) {
+                                    report::Json& top) {
   const double read = read_bandwidth_gbs(b.rt().node().size());
   std::vector<double> ratios;
   std::vector<std::string> cells;
-  report::JsonObject j;
+  report::Json j = report::Json::object();
   for (const auto& [name, gbs] : kernels) {
     ratios.push_back(gbs < 0 ? -1 : gbs / read);
     cells.push_back(cat(name, " ", gbs < 0 ? "n/a" : report::fixed(ratios.back(), 2)));
-    if (gbs >= 0) j.add(name, ratios.back());
+    if (gbs >= 0) j[name] = ratios.back();
   }
   if (b.root()) {
     report::print_footer_line(
-        stdout, "Read bandwidth",
-        cat(report::fixed(read, 2), " GB/s per rank (", b.rt().threads(),
-            " threads: best of 3 sums over 1 GiB per node, every rank at once)"));
-    report::print_footer_line(
-        stdout, "Kernel / read",
-        cat(report::join(cells, ", "), " (the kernel column over the read bandwidth)"));
+        "Read bandwidth", cat(report::fixed(read, 2), " GB/s per rank (", b.rt().threads(),
+                              " threads: best of 3 sums over 1 GiB per node, every rank at once)"));
+    report::print_footer_line("Kernel / read", cat(report::join(cells, ", "),
+                                                   " (the kernel column over the read bandwidth)"));
   }
-  top.add("read_gbs", read).add_raw("kernel_over_read", j.str());
+  top["read_gbs"] = read, top["kernel_over_read"] = j;
   return ratios;
 }
 
@@ -134,23 +163,6 @@ double peak_rss_mib() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   return double(ru.ru_maxrss) / 1024.0;  // KiB on Linux
-}
-
-int world_rank() {
-  int rank = 0;
-  DATTN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-  return rank;
-}
-
-std::vector<std::string> split_list(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  size_t begin = 0;
-  while (true) {
-    const size_t at = s.find(sep, begin);
-    out.push_back(s.substr(begin, at == std::string::npos ? at : at - begin));
-    if (at == std::string::npos) return out;
-    begin = at + 1;
-  }
 }
 
 std::optional<std::vector<int64_t>> parse_int_list(const std::string& s) {
@@ -206,13 +218,14 @@ AttnSpec Shape::spec(Mask mask) const {
 }
 
 std::string Shape::words() const {
-  return cat("dtype ", dattn::dtype_name(dtype), " batch ", batch, " heads ", heads, " kv-heads ",
-             kv_heads, " head-dim ", head_dim);
+  report::Json j = report::Json::object();
+  json(j);
+  return report::words(j);
 }
 
-void Shape::json(report::JsonObject& cfg) const {
-  cfg.add("dtype", dattn::dtype_name(dtype)).add("batch", batch).add("heads", heads);
-  cfg.add("kv_heads", kv_heads).add("head_dim", head_dim);
+void Shape::json(report::Json& cfg) const {
+  cfg["dtype"] = dattn::dtype_name(dtype), cfg["batch"] = batch, cfg["heads"] = heads;
+  cfg["kv_heads"] = kv_heads, cfg["head_dim"] = head_dim;
 }
 
 void require_one_of(const char* option, const std::string& value,
@@ -254,15 +267,6 @@ void Row::take_bytes(const Timing& t) {
   result.model_mb_per_rank = t.model_mb;
 }
 
-std::pair<CheckStats, CheckStats> Row::take_check(const CheckStats& out, const CheckStats& lse) {
-  const CheckStats o = out.reduced(), l = lse.reduced();
-  result.wrong = int64_t(o.wrong + l.wrong);
-  extra.add("checked_elements", int64_t(o.checked + l.checked))
-      .add("max_err_out", o.max_err)
-      .add("max_err_lse", l.max_err);
-  return {o, l};
-}
-
 std::string wrong_cell(const Row& r) {
   return r.has_wrong() ? std::to_string(r.wrong()) : "N/A";
 }
@@ -272,8 +276,6 @@ std::string kernel_cell(const Timing& t) {
 }
 
 // ------------------------------------------------------------------ Bench
-
-Bench::Bench(Runtime& rt, const EngineOptions& opts) : rt_(rt), opts_(opts) {}
 
 void Bench::note(const std::string& line) const {
   if (!root()) return;
@@ -350,18 +352,9 @@ void Plan::grid(const std::string& what, const std::string& groups) const {
   line("device: " + device_plan(l));
 }
 
-void Plan::table(const std::vector<report::Column>& columns) {
-  table_ = std::make_unique<report::Table>(columns);
-  table_->print_heading(stdout);
-}
-
-void Plan::row(const std::vector<std::string>& cells) const {
-  DATTN_ASSERT(table_);
-  table_->print_row(stdout, cells);
-}
-
-void Plan::skipped(int64_t n) const {
-  std::printf("#  ... %lld ranks not shown\n", static_cast<long long>(n));
+void Plan::table(std::vector<report::Column> columns) {
+  columns_ = std::move(columns);
+  report::print_heading(columns_);
 }
 
 std::vector<int> Plan::shown(int n) {
@@ -375,7 +368,7 @@ std::vector<int> Plan::shown(int n) {
 void Plan::for_shown(int n, const std::function<void(int)>& f) const {
   int next = 0;
   for (int i : shown(n)) {
-    if (i > next) skipped(i - next);
+    if (i > next) std::printf("#  ... %d ranks not shown\n", i - next);
     f(i);
     next = i + 1;
   }
@@ -384,19 +377,18 @@ void Plan::for_shown(int n, const std::function<void(int)>& f) const {
 // ------------------------------------------------------------------ options
 
 std::vector<std::string> Workload::config_lines(Runtime& rt) const {
-  report::JsonObject cfg;
-  config_json(cfg);
   return {cat("ranks ", rt.size(), " (cp ", rt.cp_size(), " x tp ", rt.tp_size(), ") threads/rank ",
-              rt.threads(), " ", cfg.words())};
+              rt.threads(), " ", config_words())};
+}
+
+std::string Workload::config_words() const {
+  report::Json cfg = report::Json::object();
+  config_json(cfg);
+  return report::words(cfg);
 }
 
 RuntimeOptions Workload::runtime_options(const EngineOptions& e) const {
-  RuntimeOptions r;
-  r.cp = e.launch.cp;
-  r.tp = e.launch.tp;
-  r.device = e.launch.dev;
-  r.threads = e.threads;
-  return r;
+  return {.device = e.launch.dev, .cp = e.launch.cp, .tp = e.launch.tp, .threads = e.threads};
 }
 
 namespace {
@@ -434,6 +426,7 @@ bool engine_option(const std::string& key) {
 }
 
 // -k/--check takes an optional value: a bare -k or --check (not followed by a value) means 1.
+// (Boost's implicit_value would take no separate value at all: `-k 0` must keep working.)
 std::vector<std::string> with_check_values(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   for (size_t i = 1; i < args.size(); ++i) {
@@ -503,7 +496,7 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
     resolve_one_process(e.launch);
   } else {
     e.launch.runs_on_cuda = d.runs_on_cuda;
-    resolve_launch_options(e.launch, d.default_tp);
+    resolve_launch_options(e.launch, 1);
   }
   const std::string iters_name = cat("--", split_list(d.iters_option)[0]);
   require_option(e.iters >= 1, iters_name.c_str(), e.iters, ">= 1");
@@ -530,6 +523,46 @@ Parsed parse(const WorkloadEntry& entry, int argc, char** argv, const std::strin
   return p;
 }
 
+// The header block: "# <title>, version X", the config lines, the build, and one line per rank
+// (allgathered in fixed-size records): "#  Rank  0 Group  0 Pid  1234 on host device cpu
+// threads 2". Collective over MPI_COMM_WORLD.
+void print_header(const std::string& title, const std::vector<std::string>& config, Runtime& rt) {
+  // Ranks whose OpenMP threads outnumber the CPUs they may run on (mpiexec binds each rank to
+  // one core when it starts at most 2): their threads take turns.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int ncpu = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  struct Record {
+    int32_t crowded;
+    char line[188];
+  } mine{ncpu > 0 && rt.threads() > ncpu, {}};
+  std::snprintf(mine.line, sizeof mine.line,
+                "#  Rank %2d Group  0 Pid %6d on %10.64s device %.16s threads %d", world_rank(),
+                int(getpid()), host_name().c_str(), rt.device().str().c_str(), rt.threads());
+  int ranks = 1;
+  DATTN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &ranks));
+  std::vector<Record> all(static_cast<size_t>(ranks));
+  DATTN_MPI_CHECK(MPI_Allgather(&mine, sizeof(Record), MPI_BYTE, all.data(), sizeof(Record),
+                                MPI_BYTE, MPI_COMM_WORLD));
+  if (rt.rank() != 0) return;  // (a one-process workload: every rank of the job prints)
+  std::printf("# %s, version %s\n", title.c_str(), DATTN_VERSION);
+  for (const auto& line : config)
+    std::printf("# %s\n", line.c_str());
+  std::printf("# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n", int(DATTN_WITH_CUDA),
+              int(DATTN_WITH_NCCL));
+  std::printf("# cpu kernel: %s\n#\n# Using devices\n", dattn::cpu::cpu_kernel_info().c_str());
+  int crowded = 0;
+  for (const Record& r : all)
+    std::printf("%s\n", r.line), crowded += r.crowded;
+  std::printf("#\n");
+  if (crowded > 0)
+    std::printf(
+        "# warning: %d rank(s) may use fewer CPUs than their %d OpenMP threads, which then take "
+        "turns (mpiexec --bind-to none lets them spread)\n",
+        crowded, rt.threads());
+  std::fflush(stdout);
+}
+
 // Runs every case of one workload, printing its tables; returns the rows.
 std::vector<Row> run_cases(Workload& w, Bench& b) {
   const auto tables = w.tables(b);
@@ -537,17 +570,11 @@ std::vector<Row> run_cases(Workload& w, Bench& b) {
   int current = -1;
   for (const Case& c : w.cases(b)) {
     DATTN_ASSERT(c.table >= 0 && size_t(c.table) < tables.size());
-    const report::Table table(tables[size_t(c.table)]);
-    if (b.root() && c.table != current) {
-      table.print_heading(stdout);
-      std::fflush(stdout);
-    }
+    const std::vector<report::Column>& table = tables[size_t(c.table)];
+    if (b.root() && c.table != current) report::print_heading(table);
     current = c.table;
     for (Row& r : w.run(b, c)) {
-      if (b.root()) {
-        table.print_row(stdout, r.cells);
-        std::fflush(stdout);
-      }
+      if (b.root()) report::print_row(table, r.cells);
       rows.push_back(std::move(r));
     }
   }
@@ -614,27 +641,12 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
   Runtime rt =
       Runtime::from_mpi(p.d.one_process ? MPI_COMM_SELF : MPI_COMM_WORLD, w.runtime_options(e));
   Bench b(rt, e);
-  const auto ranks = report::gather_rank_info(MPI_COMM_WORLD, rt.device().str(), rt.threads());
   std::vector<std::string> config = w.config_lines(rt);
   config.push_back(cat(split_list(p.d.iters_option)[0], " ", e.iters,
                        p.d.warmup >= 0 ? cat(" warmup ", e.warmup) : "",
                        p.d.has_check ? cat(" check ", e.check) : "",
                        e.compare.empty() ? "" : " compare " + e.compare));
-  // Ranks whose OpenMP threads outnumber the CPUs they may run on (mpiexec binds each rank to
-  // one core when it starts at most 2): their threads take turns.
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  const int ncpu = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-  const uint64_t crowded = allreduce_sum(uint64_t(ncpu > 0 && rt.threads() > ncpu));
-  if (b.root()) {
-    report::print_header(stdout, cat("dattn ", entry.name, " benchmark"), config, ranks);
-    if (crowded > 0)
-      std::printf(
-          "# warning: %llu rank(s) may use fewer CPUs than their %d OpenMP threads, which "
-          "then take turns (mpiexec --bind-to none lets them spread)\n",
-          static_cast<unsigned long long>(crowded), rt.threads());
-    std::fflush(stdout);
-  }
+  print_header(cat("dattn ", entry.name, " benchmark"), config, rt);
   const std::vector<Row> rows = run_cases(w, b);
   std::vector<Compared> compared;
   for (const std::string& v : e.compare_values)
@@ -658,59 +670,57 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
     wrong += c.wrong;
   if (tflops_rows > 0) tflops /= tflops_rows;
   if (b.root()) {
-    report::print_footer_line(stdout, "Out of bounds values",
+    report::print_footer_line("Out of bounds values",
                               std::to_string(wrong) + (wrong == 0 ? " OK" : " FAILED"));
     if (tflops_rows > 0)
-      report::print_footer_line(stdout, cat("Avg TFLOP/s ", b.per_unit()),
-                                report::fixed(tflops, 4));
+      report::print_footer_line(cat("Avg TFLOP/s ", b.per_unit()), report::fixed(tflops, 4));
     if (byte_checked)
       report::print_footer_line(
-          stdout, "Byte model mismatches",
+          "Byte model mismatches",
           cat(byte_mismatches, " ((rank, call) pairs whose counted bytes differ from the model)"));
   }
-  report::JsonObject sections;
+  report::Json sections = report::Json::object();
   w.finish(b, rows, sections);
-  report::JsonObject jcompare;
+  report::Json jcompare;
   if (!compared.empty()) {
     const Compared& a = compared.front();
-    std::vector<std::string> values;
+    jcompare = {{"key", e.compare_key}, {"values", report::Json::array()}};
     for (const Compared& c : compared) {
-      report::JsonObject j;
-      j.add("value", c.value).add("time_ms", c.time_ms).add("wrong", int64_t(c.wrong));
-      if (&c != &a) j.add("ratio", c.time_ms / a.time_ms);
-      values.push_back(j.str());
+      report::Json j = {{"value", c.value}, {"time_ms", c.time_ms}, {"wrong", c.wrong}};
+      if (&c != &a) j["ratio"] = c.time_ms / a.time_ms;
+      jcompare["values"].push_back(j);
       if (b.root() && &c != &a)
         std::printf("# compare %s: %s/%s time ratio = %.2f (%s %.3f ms, %s %.3f ms; %s)\n",
                     e.compare_key.c_str(), c.value.c_str(), a.value.c_str(), c.time_ms / a.time_ms,
                     a.value.c_str(), a.time_ms, c.value.c_str(), c.time_ms, a.label.c_str());
     }
-    jcompare.add("key", e.compare_key).add_raw("values", report::json_array(values));
   }
   if (b.root()) std::fflush(stdout);
 
   // ---------------------------------------------------------------- JSON
   if (b.root() && !e.json.empty()) {
-    report::JsonObject cfg;
-    cfg.add("program", entry.program).add("version", DATTN_VERSION).add("ranks", rt.size());
-    cfg.add("threads_per_rank", rt.threads()).add("iters", e.iters).add("warmup", e.warmup);
-    cfg.add("check", e.check == 1);
+    report::Json cfg = {{"program", entry.program}, {"version", DATTN_VERSION},
+                        {"ranks", rt.size()},       {"threads_per_rank", rt.threads()},
+                        {"iters", e.iters},         {"warmup", e.warmup},
+                        {"check", e.check == 1}};
     w.config_json(cfg);
-    cfg.add("with_cuda", bool(DATTN_WITH_CUDA)).add("with_nccl", bool(DATTN_WITH_NCCL));
-    if (b.per_gpu()) cfg.add("device", "cuda");  // one GPU per rank: per-rank figures are per GPU
-    std::vector<std::string> jrows;
+    cfg["with_cuda"] = bool(DATTN_WITH_CUDA), cfg["with_nccl"] = bool(DATTN_WITH_NCCL);
+    if (b.per_gpu()) cfg["device"] = "cuda";  // one GPU per rank: per-rank figures are per GPU
+    report::Json top = {{"config", cfg}, {"rows", report::Json::array()}};
     for (const Row& r : rows) {
       if (!r.in_json) continue;
       report::ResultRow c = r.result;
       c.wrong = r.has_wrong() ? int64_t(r.wrong()) : -1;
-      jrows.push_back(report::result_row(c).add_all(r.extra).str());
+      top["rows"].push_back(report::result_row(c));
+      top["rows"].back().update(r.extra);
     }
-    report::JsonObject top;
-    top.add_raw("config", cfg.str()).add_raw("rows", report::json_array(jrows));
-    top.add("wrong", int64_t(wrong)).add("avg_tflops_per_rank", tflops);
-    if (byte_checked) top.add("byte_mismatches", int64_t(byte_mismatches));
-    top.add_all(sections);
-    if (!jcompare.empty()) top.add_raw("compare", jcompare.str());
-    report::write_text_file(e.json, top.str());
+    top["wrong"] = wrong, top["avg_tflops_per_rank"] = tflops;
+    if (byte_checked) top["byte_mismatches"] = byte_mismatches;
+    top.update(sections);
+    if (!jcompare.is_null()) top["compare"] = jcompare;
+    std::ofstream os(e.json);
+    os << top.dump() << "\n";
+    if (!os) DATTN_THROW("cannot write --json file '", e.json, "'");
   }
   return wrong > 0 ? 1 : 0;
 }
@@ -719,95 +729,46 @@ int run_workload(const WorkloadEntry& entry, int argc, char** argv) {
 
 namespace dattn::report {
 
-// ------------------------------------------------------------------ header
+using detail::cat;
 
-namespace {
-// Fixed-size record for the allgather: host and device names are truncated to fit.
-struct RankRecord {
-  int32_t rank;
-  int32_t pid;
-  int32_t threads;
-  char host[64];
-  char device[16];
-};
-
-void copy_truncated(char* dst, size_t size, const std::string& src) {
-  std::memset(dst, 0, size);
-  std::memcpy(dst, src.data(), std::min(size - 1, src.size()));
-}
-}  // namespace
-
-std::vector<RankInfo> gather_rank_info(MPI_Comm comm, const std::string& device, int threads) {
-  int rank = 0, size = 1;
-  DATTN_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  DATTN_MPI_CHECK(MPI_Comm_size(comm, &size));
-  RankRecord mine{};
-  mine.rank = rank;
-  mine.pid = int32_t(getpid());
-  mine.threads = threads;
-  copy_truncated(mine.host, sizeof(mine.host), host_name());
-  copy_truncated(mine.device, sizeof(mine.device), device);
-  std::vector<RankRecord> all(static_cast<size_t>(size));
-  DATTN_MPI_CHECK(MPI_Allgather(&mine, sizeof(RankRecord), MPI_BYTE, all.data(), sizeof(RankRecord),
-                                MPI_BYTE, comm));
-  std::vector<RankInfo> out;
-  out.reserve(all.size());
-  for (const auto& r : all)
-    out.push_back({r.rank, r.pid, r.host, r.device, r.threads});
-  return out;
+void print_footer_line(const std::string& label, const std::string& value) {
+  std::printf("# %-22s: %s\n", label.c_str(), value.c_str());
 }
 
-void print_header(std::FILE* f, const std::string& title, const std::vector<std::string>& config,
-                  const std::vector<RankInfo>& ranks) {
-  std::fprintf(f, "# %s, version %s\n", title.c_str(), DATTN_VERSION);
-  for (const auto& line : config)
-    std::fprintf(f, "# %s\n", line.c_str());
-  std::fprintf(f, "# DATTN_WITH_CUDA=%d DATTN_WITH_NCCL=%d\n", int(DATTN_WITH_CUDA),
-               int(DATTN_WITH_NCCL));
-  std::fprintf(f, "# cpu kernel: %s\n", dattn::cpu::cpu_kernel_info().c_str());
-  std::fprintf(f, "#\n# Using devices\n");
-  for (const auto& r : ranks) {
-    std::fprintf(f, "#  Rank %2d Group  0 Pid %6d on %10s device %s threads %d\n", r.rank, r.pid,
-                 r.host.c_str(), r.device.c_str(), r.threads);
+std::string words(const Json& object) {
+  std::string out;
+  for (const auto& [key, value] : object.items()) {
+    std::string k = key;
+    std::replace(k.begin(), k.end(), '_', '-');
+    out += cat(out.empty() ? "" : " ", k, " ",
+               value.is_string()         ? value.get<std::string>()
+               : value.is_number_float() ? cat(value.get<double>())
+                                         : value.dump());
   }
-  std::fprintf(f, "#\n");
-}
-
-void print_footer_line(std::FILE* f, const std::string& label, const std::string& value) {
-  std::fprintf(f, "# %-22s: %s\n", label.c_str(), value.c_str());
+  return out;
 }
 
 // ------------------------------------------------------------------ tables
 
-void Table::print_heading(std::FILE* f) const {
-  std::string names = "#", units = "#";
-  for (const auto& c : columns_) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), " %*s", c.width, c.name.c_str());
-    names += buf;
-    std::snprintf(buf, sizeof(buf), " %*s", c.width, c.unit.c_str());
-    units += buf;
+void print_heading(const std::vector<Column>& columns) {
+  for (bool names : {true, false}) {
+    std::printf("#");
+    for (const Column& c : columns)
+      std::printf(" %*s", c.width, (names ? c.name : c.unit).c_str());
+    std::printf("\n");
   }
-  std::fprintf(f, "%s\n%s\n", names.c_str(), units.c_str());
+  std::fflush(stdout);
 }
 
-void Table::print_row(std::FILE* f, const std::vector<std::string>& cells) const {
-  DATTN_CHECK_ARG(cells.size() == columns_.size(), "table row cells", cells.size(),
-                  detail::cat(columns_.size(), " (one per column)"));
-  std::string line = " ";
-  for (size_t i = 0; i < cells.size(); ++i) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), " %*s", columns_[i].width, cells[i].c_str());
-    line += buf;
-  }
-  std::fprintf(f, "%s\n", line.c_str());
+void print_row(const std::vector<Column>& columns, const std::vector<std::string>& cells) {
+  DATTN_CHECK_ARG(cells.size() == columns.size(), "table row cells", cells.size(),
+                  cat(columns.size(), " (one per column)"));
+  std::printf(" ");
+  for (size_t i = 0; i < cells.size(); ++i)
+    std::printf(" %*s", columns[i].width, cells[i].c_str());
+  std::printf("\n");
+  std::fflush(stdout);
 }
-
-namespace {
-std::string non_finite(double v) {
-  return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
-}
-}  // namespace
 
 std::string index_range(int64_t first, int64_t n) {
   if (n <= 0) return "-";
@@ -815,154 +776,55 @@ std::string index_range(int64_t first, int64_t n) {
   return std::to_string(first) + "-" + std::to_string(first + n - 1);
 }
 
-std::string fixed(double v, int precision) {
-  if (!std::isfinite(v)) return non_finite(v);
+namespace {
+std::string format(const char* conversion, double v, int precision) {
+  if (!std::isfinite(v)) return std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", precision, v);
+  std::snprintf(buf, sizeof(buf), conversion, precision, v);
   return buf;
 }
-
-std::string sci(double v, int precision) {
-  if (!std::isfinite(v)) return non_finite(v);
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*e", precision, v);
-  return buf;
-}
+}  // namespace
 
 std::string join(const std::vector<std::string>& items, const char* sep) {
   std::string out;
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (i) out += sep;
-    out += items[i];
-  }
-  return out;
-}
-
-std::string run_desc(const Run& run) {
-  using detail::cat;
-  const std::string range = cat(run.global_begin, "-", run.last_position());
-  if (run.length <= run.block || run.stride == run.block) return range;
-  return run.block == 1 ? cat(range, "/", run.stride) : cat(range, "/", run.stride, "x", run.block);
-}
-
-// ------------------------------------------------------------------ JSON
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  // Prefer the shortest form that reads back to the same double.
-  for (int p = 6; p < 17; ++p) {
-    char shorter[64];
-    std::snprintf(shorter, sizeof(shorter), "%.*g", p, v);
-    if (std::strtod(shorter, nullptr) == v) return shorter;
-  }
-  return buf;
-}
-
-std::string json_array(const std::vector<std::string>& items) {
-  std::string out = "[";
   for (size_t i = 0; i < items.size(); ++i)
-    out += (i ? ",\n  " : "\n  ") + items[i];
-  return out + (items.empty() ? "]" : "\n]");
-}
-
-std::string json_numbers(const std::vector<double>& values) {
-  std::vector<std::string> items;
-  for (double v : values)
-    items.push_back(json_number(v));
-  return json_array(items);
-}
-
-JsonObject& JsonObject::add_raw(const std::string& key, const std::string& json_text) {
-  members_.emplace_back(key, json_text);
-  return *this;
-}
-JsonObject& JsonObject::add(const std::string& key, const std::string& value) {
-  return add_raw(key, json_string(value));
-}
-JsonObject& JsonObject::add(const std::string& key, const char* value) {
-  return add_raw(key, json_string(value));
-}
-JsonObject& JsonObject::add(const std::string& key, double value) {
-  return add_raw(key, json_number(value));
-}
-JsonObject& JsonObject::add(const std::string& key, int64_t value) {
-  return add_raw(key, std::to_string(value));
-}
-JsonObject& JsonObject::add(const std::string& key, bool value) {
-  return add_raw(key, value ? "true" : "false");
-}
-
-JsonObject& JsonObject::add_all(const JsonObject& other) {
-  members_.insert(members_.end(), other.members_.begin(), other.members_.end());
-  return *this;
-}
-
-std::string JsonObject::str() const {
-  std::string out = "{";
-  for (size_t i = 0; i < members_.size(); ++i) {
-    out += (i ? ", " : "") + json_string(members_[i].first) + ": " + members_[i].second;
-  }
-  return out + "}";
-}
-
-std::string JsonObject::words() const {
-  std::string out;
-  for (const auto& [key, value] : members_) {
-    std::string k = key;
-    std::replace(k.begin(), k.end(), '_', '-');
-    const bool quoted = value.size() >= 2 && value.front() == '"';
-    out +=
-        (out.empty() ? "" : " ") + k + " " + (quoted ? value.substr(1, value.size() - 2) : value);
-  }
+    out += (i ? sep : "") + items[i];
   return out;
 }
 
-JsonObject result_row(const ResultRow& r) {
-  JsonObject j;
-  j.add("workload", r.workload).add("strategy", r.strategy).add("layout", r.layout);
-  j.add("seq", r.seq).add("ranks", r.ranks).add("time_ms", r.time_ms);
-  if (r.tflops_per_rank >= 0)
-    j.add("tflops_per_rank", r.tflops_per_rank);
-  else
-    j.add_raw("tflops_per_rank", "null");
-  j.add("sent_mb_per_rank", r.sent_mb_per_rank).add("model_mb_per_rank", r.model_mb_per_rank);
-  if (r.wrong >= 0)
-    j.add("wrong", r.wrong);
-  else
-    j.add_raw("wrong", "null");
-  return j;
+std::string fixed(double v, int precision) {
+  return format("%.*f", v, precision);
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::ofstream os(path);
-  if (!os) DATTN_THROW("cannot open --json file '", path, "' for writing");
-  os << text << "\n";
-  os.close();
-  if (!os) DATTN_THROW("failed writing --json file '", path, "'");
+std::string sci(double v, int precision) {
+  return format("%.*e", v, precision);
+}
+
+std::string positions(const std::vector<Run>& runs) {
+  std::vector<std::string> out;
+  for (const Run& r : runs) {
+    if (r.length <= 0) continue;
+    const std::string range = cat(r.global_begin, "-", r.last_position());
+    if (r.length <= r.block || r.stride == r.block)
+      out.push_back(range);
+    else
+      out.push_back(r.block == 1 ? cat(range, "/", r.stride)
+                                 : cat(range, "/", r.stride, "x", r.block));
+  }
+  return out.empty() ? "-" : join(out, " ");
+}
+
+Json result_row(const ResultRow& r) {
+  return {{"workload", r.workload},
+          {"strategy", r.strategy},
+          {"layout", r.layout},
+          {"seq", r.seq},
+          {"ranks", r.ranks},
+          {"time_ms", r.time_ms},
+          {"tflops_per_rank", r.tflops_per_rank >= 0 ? Json(r.tflops_per_rank) : Json()},
+          {"sent_mb_per_rank", r.sent_mb_per_rank},
+          {"model_mb_per_rank", r.model_mb_per_rank},
+          {"wrong", r.wrong >= 0 ? Json(r.wrong) : Json()}};
 }
 
 }  // namespace dattn::report

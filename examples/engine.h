@@ -1,5 +1,5 @@
-// The benchmark engine, in the manner of nccl-tests: a Workload says what to run (its options,
-// its cases, each case's inputs, timed call, byte and FLOP models and reference check, its table
+// The benchmark engine, in the manner of nccl-tests: a Workload says what to run (its options, its
+// cases, each case's inputs, timed call, byte and FLOP models and reference check, its table
 // columns and plan); run_workload owns everything around it: option parsing (the shared options,
 // the launch options, --help, --version, --compare), the Runtime, warm-up, timing and progress
 // lines, the check statistics and #wrong, the tables, the footer, the JSON file and the dry run.
@@ -10,25 +10,22 @@
 //   -J/--json, --compare KEY=A,B, -h/--help, -V/--version, and launch/options.h's options.
 // -k/--check defaults to 1 (unless Defaults::has_check is false): every workload's check runs by
 // default, so it must be cheap (a sample: a few rows per rank, one extra step); `-k 0` turns it
-// off, `--check` alone means `--check 1`. Bench::check() says whether it is on.
+// off, `--check` alone means `--check 1`.
 //
-// The flow of one run (rank 0 prints, every rank computes):
-//   header ("dattn <name> benchmark" and Workload::config_lines; a warning when a rank has
-//   fewer CPUs than OpenMP threads), then for each Case of cases():
-//   Workload::run returns its Rows; a case whose table differs from the previous one prints that
-//   table's heading first; every row is printed as it comes. Then the footer: "Out of bounds
-//   values" (#wrong of every row), "Avg TFLOP/s per rank|GPU" (rows with
-//   tflops_per_rank >= 0), "Byte model mismatches" (rows with byte_checked), the Workload::finish
-//   lines, and the --compare summary; then the JSON file (-J). The exit code is 1 when #wrong > 0.
+// One run (rank 0 prints, every rank computes): the header ("dattn <name> benchmark" and
+// Workload::config_lines; a warning when a rank has fewer CPUs than OpenMP threads); for each Case
+// the rows of Workload::run, each printed as it comes (a case whose table differs from the
+// previous one prints that table's heading first); the footer: "Out of bounds values" (#wrong of
+// every row), "Avg TFLOP/s per rank|GPU" (rows with tflops_per_rank >= 0), "Byte model
+// mismatches" (rows with byte_checked), Workload::finish's lines and the --compare summary; then
+// the JSON file (-J). The exit code is 1 when #wrong > 0.
 #pragma once
-
-#include <mpi.h>
 
 #include <boost/program_options.hpp>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
@@ -46,94 +43,37 @@ struct Run;  // src/layout.h
 
 namespace dattn::report {
 
-// ------------------------------------------------------------------ header
-
-// What the header says about one rank.
-struct RankInfo {
-  int rank = 0;
-  int pid = 0;
-  std::string host;
-  std::string device;  // "cpu", "cuda:0"
-  int threads = 0;     // OpenMP threads of the rank
-};
-
-// Collective over comm: every rank's RankInfo, on every rank (fixed-size buffers, allgather).
-std::vector<RankInfo> gather_rank_info(MPI_Comm comm, const std::string& device, int threads);
-
-// Prints the header block:
-//   # <title>, version X
-//   # <each config line>
-//   # DATTN_WITH_CUDA=.. DATTN_WITH_NCCL=..
-//   #
-//   # Using devices
-//   #  Rank  0 Group  0 Pid  1234 on host device cpu threads 2
-void print_header(std::FILE* f, const std::string& title, const std::vector<std::string>& config,
-                  const std::vector<RankInfo>& ranks);
+// JSON objects keep their members in insertion order.
+using Json = nlohmann::ordered_json;
+// An object's members as "key value key value ..." for a header or plan line: keys with '-' for
+// '_', strings without their quotes.
+std::string words(const Json& object);
 
 // "# label : value" with the labels aligned, as in the nccl-tests footer.
-void print_footer_line(std::FILE* f, const std::string& label, const std::string& value);
-
-// ------------------------------------------------------------------ tables
+void print_footer_line(const std::string& label, const std::string& value);
 
 struct Column {
   std::string name;  // first heading line
   std::string unit;  // second heading line, "" for none
   int width = 10;    // cells are right-aligned in this width
 };
-
 // A fixed-width table: heading lines start with '#', data rows with ' ', so that a reader (or
-// grep -v '^#') finds the numbers alone.
-class Table {
- public:
-  explicit Table(std::vector<Column> columns) : columns_(std::move(columns)) {}
-  void print_heading(std::FILE* f) const;
-  // One row of already formatted cells, one per column (throws dattn::Error otherwise).
-  void print_row(std::FILE* f, const std::vector<std::string>& cells) const;
-
- private:
-  std::vector<Column> columns_;
-};
+// grep -v '^#') finds the numbers alone. A row has one cell per column (else dattn::Error).
+void print_heading(const std::vector<Column>& columns);
+void print_row(const std::vector<Column>& columns, const std::vector<std::string>& cells);
 
 // n indices from first, as a plan prints them: "-" (none), "5", "4-7".
 std::string index_range(int64_t first, int64_t n);
-// v with `precision` digits after the point; non-finite values as "nan", "inf", "-inf".
+// v with `precision` digits after the point, or in scientific notation ("1.23e-05");
+// non-finite values as "nan", "inf", "-inf".
 std::string fixed(double v, int precision);
-// v in scientific notation with `precision` digits ("1.23e-05").
 std::string sci(double v, int precision);
-
 // The items joined with sep between them ("a, b, c").
 std::string join(const std::vector<std::string>& items, const char* sep);
-// A run's global positions, for the --dry-run plans: "0-1023" for a contiguous run, "5-4093/4"
-// for every 4th position, "16-31/64x16" for blocks of 16 every 64.
-std::string run_desc(const Run& run);
-
-// ------------------------------------------------------------------ JSON
-
-std::string json_string(const std::string& s);  // quoted and escaped
-std::string json_number(double v);              // shortest round-trip form; null if non-finite
-std::string json_array(const std::vector<std::string>& items);  // items are JSON text
-std::string json_numbers(const std::vector<double>& values);    // json_array of json_number
-
-// An object whose members keep their insertion order; values are JSON text.
-class JsonObject {
- public:
-  JsonObject& add_raw(const std::string& key, const std::string& json_text);
-  JsonObject& add(const std::string& key, const std::string& value);
-  JsonObject& add(const std::string& key, const char* value);
-  JsonObject& add(const std::string& key, double value);
-  JsonObject& add(const std::string& key, int64_t value);
-  JsonObject& add(const std::string& key, int value) { return add(key, int64_t(value)); }
-  JsonObject& add(const std::string& key, bool value);
-  JsonObject& add_all(const JsonObject& other);  // other's members, in their order
-  bool empty() const { return members_.empty(); }
-  // "key value key value ...": the members for a header line (keys with '-' for '_', strings
-  // without their quotes).
-  std::string words() const;
-  std::string str() const;
-
- private:
-  std::vector<std::pair<std::string, std::string>> members_;
-};
+// The global positions of a rank's runs, for the --dry-run plans: "0-1023" for a contiguous run,
+// "5-4093/4" for every 4th position, "16-31/64x16" for blocks of 16 every 64; the runs that hold
+// tokens, separated by spaces, or "-" for none.
+std::string positions(const std::vector<Run>& runs);
 
 // The row every workload writes into "rows" with --json, so that one plotting script
 // (launch/plot.py) reads any of them: these keys first, in this order, then the workload's own.
@@ -149,10 +89,7 @@ struct ResultRow {
   double model_mb_per_rank = 0;  // the byte model's figure for the same
   int64_t wrong = -1;            // elements over tolerance + byte model mismatches; < 0: null
 };
-JsonObject result_row(const ResultRow& r);
-
-// Writes text (plus a newline) to path; throws dattn::Error naming the path on failure.
-void write_text_file(const std::string& path, const std::string& text);
+Json result_row(const ResultRow& r);
 
 }  // namespace dattn::report
 
@@ -171,7 +108,6 @@ struct Defaults {
   int threads = 0;            // -T default (0: OMP_NUM_THREADS, else cores per rank)
   int min_threads = 0;        // -T must be >= this
   bool has_check = true;      // false: no -k (a workload with no reference, e.g. kernel)
-  int default_tp = 1;         // --tp when neither --tp nor --cp says
   bool runs_on_cuda = false;  // LaunchOptions::runs_on_cuda: --device cuda is accepted
   // One process: the grid is cp 1 x tp 1 whatever the job (--cp, --tp, --world-size must say 1,
   // --device cpu); each rank of a larger job runs the workload alone on MPI_COMM_SELF.
@@ -253,8 +189,8 @@ struct Row {
   // (plus whatever else the workload counts as wrong there); < 0 when no check ran. wrong()
   // adds byte_mismatches to it for the #wrong cell (wrong_cell), the footer and the JSON.
   report::ResultRow result;
-  report::JsonObject extra;      // the JSON row's own keys, after the common ones
-  bool in_json = true;           // false: table only (e.g. star's accuracy rows)
+  report::Json extra = report::Json::object();  // the JSON row's own keys, after the common ones
+  bool in_json = true;                          // false: table only (e.g. star's accuracy rows)
   uint64_t byte_mismatches = 0;  // Timing::byte_mismatches: "Byte model mismatches" and #wrong
   bool byte_checked = false;     // Timing::byte_checked
   // max(result.wrong, 0) + byte_mismatches.
@@ -264,10 +200,6 @@ struct Row {
   // Copies t's bytes into the row: byte_checked, byte_mismatches, result.sent_mb_per_rank and
   // result.model_mb_per_rank.
   void take_bytes(const Timing& t);
-  // The check of out and lse on this rank, reduced over every rank (collective): result.wrong
-  // (their wrong elements) and the JSON keys checked_elements, max_err_out, max_err_lse.
-  // Returns the reduced statistics.
-  std::pair<CheckStats, CheckStats> take_check(const CheckStats& out, const CheckStats& lse);
 };
 
 // The #wrong cell: the row's wrong(), or "N/A" when !has_wrong().
@@ -279,7 +211,7 @@ std::string kernel_cell(const Timing& t);
 
 class Bench {
  public:
-  Bench(Runtime& rt, const EngineOptions& opts);
+  Bench(Runtime& rt, const EngineOptions& opts) : rt_(rt), opts_(opts) {}
   Runtime& rt() { return rt_; }
   const EngineOptions& opts() const { return opts_; }
   bool root() const { return rt_.rank() == 0; }
@@ -302,6 +234,7 @@ class Bench {
 double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
+double allreduce_sum(double v);
 // The relative L2 error ||got - ref|| / ||ref|| (||got - ref|| when ref is 0) of elements on
 // every rank: add() each of this rank's, then reduced() (collective).
 struct RelL2 {
@@ -321,30 +254,22 @@ struct Spread {
   double max = 0, sum = 0, imbalance = 1;
 };
 Spread spread(int n, const std::function<double(int)>& f);
-// Nearest-rank percentile (0 < p <= 100) of sorted values (not empty).
-double percentile(const std::vector<double>& sorted, double p);
-// A STREAM-style read bandwidth of this rank's OpenMP threads: the best of 3 sums over a buffer
-// the same threads wrote, 1 GiB / node_ranks (1 GiB per node: larger than a last-level cache),
-// every rank at once; GB/s (1e9 B), the mean over ranks. Collective.
-double read_bandwidth_gbs(int node_ranks);
-// The footer's roofline lines, measuring read_bandwidth_gbs: "Read bandwidth", then "Kernel /
-// read" with each (name, Timing::kernel_gbs) pair's ratio to it ("n/a" for one < 0). Returns the
-// ratios in order (< 0: n/a); adds "read_gbs" and "kernel_over_read" to top. Collective.
+// The footer's roofline lines: "Read bandwidth", a STREAM-style read bandwidth of the ranks'
+// OpenMP threads (the best of 3 sums over 1 GiB per node, every rank at once; GB/s, the mean over
+// ranks), then "Kernel / read" with each (name, Timing::kernel_gbs) pair's ratio to it ("n/a" for
+// one < 0). Returns the ratios in order (< 0: n/a); adds "read_gbs" and "kernel_over_read" to
+// top. Collective.
 std::vector<double> roofline_footer(Bench& b,
                                     const std::vector<std::pair<std::string, double>>& kernels,
-                                    report::JsonObject& top);
+                                    report::Json& top);
 // Peak resident set of this process so far (ru_maxrss), in MiB.
 double peak_rss_mib();
-// The rank of this process in MPI_COMM_WORLD.
-int world_rank();
 // --dtype NAME as a DType, else UsageError ("fp32, bf16 or fp16").
 DType dtype_option(const std::string& name);
 // Option checks throwing UsageError (require_option's message): value one of `allowed` ("invalid
 // --layout = X: expected contiguous, zigzag or striped").
 void require_one_of(const char* option, const std::string& value,
                     const std::vector<std::string>& allowed);
-// "a,b,c" -> the items, empty ones kept (so that they can be rejected).
-std::vector<std::string> split_list(const std::string& s, char sep = ',');
 // "a,b,c" -> the whole decimal integers, or nullopt when any item is not one.
 std::optional<std::vector<int64_t>> parse_int_list(const std::string& s);
 
@@ -362,7 +287,7 @@ struct Shape {
   AttnSpec spec(Mask mask = Mask::causal()) const;
   // "dtype T batch B heads H kv-heads G head-dim D", and the same as JSON config keys.
   std::string words() const;
-  void json(report::JsonObject& cfg) const;
+  void json(report::Json& cfg) const;
 };
 
 // ------------------------------------------------------------------ the dry run
@@ -372,7 +297,7 @@ struct Shape {
 // "# planned W ranks in T s" last. Per-rank tables stay bounded: shown(n) is the indices the plan
 // prints out of n (all when n <= 16, else the first 8 and the last 8), so that a plan at 1024
 // ranks does O(ranks) model work and prints a screenful; a row for each shown index, and
-// skipped() between the runs of shown indices prints "#  ... N ranks not shown".
+// "#  ... N ranks not shown" between the runs of shown indices.
 class Plan {
  public:
   explicit Plan(const EngineOptions& opts) : opts_(opts) {}
@@ -381,16 +306,15 @@ class Plan {
   // The grid's lines: "world W ranks = cp P x tp T ...; <what>", the cp and tp communicators
   // (then `groups`, e.g. a hybrid's), and the device rule.
   void grid(const std::string& what, const std::string& groups = "") const;
-  void table(const std::vector<report::Column>& columns);  // prints its heading
-  void row(const std::vector<std::string>& cells) const;
-  void skipped(int64_t n) const;
+  void table(std::vector<report::Column> columns);  // prints its heading
+  void row(const std::vector<std::string>& cells) const { report::print_row(columns_, cells); }
   static std::vector<int> shown(int n);
-  // f(i) for each shown i of n, with skipped() where indices are left out.
+  // f(i) for each shown i of n, with the skipped line where indices are left out.
   void for_shown(int n, const std::function<void(int)>& f) const;
 
  private:
   const EngineOptions& opts_;
-  std::unique_ptr<report::Table> table_;
+  std::vector<report::Column> columns_;
 };
 
 // ------------------------------------------------------------------ the workload
@@ -418,11 +342,13 @@ class Workload {
   // The Runtime's options: by default the grid, device and threads of e.
   virtual RuntimeOptions runtime_options(const EngineOptions& e) const;
   // The header's configuration lines (after "# <title>, version V"; the engine adds a line of
-  // the shared options). By default one line: the grid and threads, then config_json's words.
+  // the shared options). By default one line: the grid and threads, then config_words().
   virtual std::vector<std::string> config_lines(Runtime& rt) const;
   // The workload's keys of the JSON "config" (after program, version, ranks, threads_per_rank,
   // iters, warmup, check; before with_cuda, with_nccl, device).
-  virtual void config_json(report::JsonObject& cfg) const = 0;
+  virtual void config_json(report::Json& cfg) const = 0;
+  // config_json's members as report::words, for the header and the plans.
+  std::string config_words() const;
   // The tables, in Case::table order. Called after the Runtime exists (units may say per GPU).
   virtual std::vector<std::vector<report::Column>> tables(const Bench& b) const = 0;
   // What runs, in order. In a --compare rerun (e.opts().comparing()) only the largest case
@@ -434,7 +360,7 @@ class Workload {
   // After the last case: the workload's footer lines (rank 0 prints; every rank calls it) and
   // top-level JSON sections (add them to top; "config", "rows", "wrong", "avg_tflops_per_rank",
   // "byte_mismatches" (with a byte check), "compare" are the engine's).
-  virtual void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
+  virtual void finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
     (void)b, (void)rows, (void)top;
   }
 
@@ -465,8 +391,5 @@ struct ParsedWorkload {
   po::variables_map vm;
 };
 std::optional<ParsedWorkload> parse_workload(const WorkloadEntry& w, int argc, char** argv);
-
-// The workload files each define their factory (examples/workloads.cpp lists them):
-//   std::unique_ptr<Workload> make_prefill_workload();  (prefill_bench.cpp), and so on.
 
 }  // namespace dattn::bench

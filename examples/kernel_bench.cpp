@@ -35,7 +35,7 @@ Tensor random_bshd(int64_t S, int64_t H, int64_t D, DType dtype, uint64_t seed) 
   const int64_t n = t.numel();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i)
-    t.set(i, float(mix64(seed * 0x100000000ull + uint64_t(i)) >> 40) * 0x1p-23f - 1.0f);
+    t.set(i, uniform(seed * 0x100000000ull + uint64_t(i)));
   return t;
 }
 
@@ -99,9 +99,13 @@ class Kernel final : public Workload {
                 e_.iters, " (best of) gemm-n ", gemm_n_, " rss-seqs ", rss_text_)};
   }
 
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("heads", heads_).add("head_dim", head_dim_).add("seq", seq_);
-    cfg.add("dtype", dtype_name(dtype_)).add("mask", spec_.mask.str()).add("gemm_n", gemm_n_);
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"heads", heads_},
+                {"head_dim", head_dim_},
+                {"seq", seq_},
+                {"dtype", dtype_name(dtype_)},
+                {"mask", spec_.mask.str()},
+                {"gemm_n", gemm_n_}});
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -143,8 +147,8 @@ class Kernel final : public Workload {
       // BLAS threads for the sgemm only: the kernel runs BLAS inside its own OpenMP threads.
       ga.resize(size_t(gemm_n_ * gemm_n_)), gb.resize(ga.size()), gc.resize(ga.size());
       for (size_t i = 0; i < ga.size(); ++i) {
-        ga[i] = float(mix64(i) >> 40) * 0x1p-23f - 1.0f;
-        gb[i] = float(mix64(i + ga.size()) >> 40) * 0x1p-23f - 1.0f;
+        ga[i] = uniform(i);
+        gb[i] = uniform(i + ga.size());
       }
       openblas_set_num_threads(e_.threads);
       call.call = [&] {
@@ -176,8 +180,8 @@ class Kernel final : public Workload {
     const std::string problem = c.index == kGemm ? gemm_problem() : attn_problem(spec_, seq_);
     Row row;
     row.result = {"kernel", strategy, "", seq_, 1, t.best_ms, gflops / 1000, 0, 0};
-    row.extra.add("problem", problem).add("threads", e_.threads).add("gflops", gflops);
-    if (c.index == kGemm) row.extra.add("n", gemm_n_);
+    row.extra = {{"problem", problem}, {"threads", e_.threads}, {"gflops", gflops}};
+    if (c.index == kGemm) row.extra["n"] = gemm_n_;
     const char* section = c.index == kGemm        ? "(a) blas"
                           : c.index == kAttention ? "(b) attn"
                                                   : "(d) attn backward";
@@ -186,16 +190,15 @@ class Kernel final : public Workload {
     return {row};
   }
 
-  void finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) override {
+  void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
     const double ratio = gflops_[kAttention] / gflops_[kGemm];
     const double bwd_ratio = gflops_[kBackward] / gflops_[kGemm];
     const bool pass = ratio >= 0.50, bwd_pass = bwd_ratio >= 0.35;
     if (b.root()) {
-      report::print_footer_line(stdout, "(c) kernel / sgemm",
+      report::print_footer_line("(c) kernel / sgemm",
                                 fixed(ratio, 3) + " (target >= 0.50) " + (pass ? "PASS" : "BELOW"));
-      report::print_footer_line(
-          stdout, "(e) backward / sgemm",
-          fixed(bwd_ratio, 3) + " (target >= 0.35) " + (bwd_pass ? "PASS" : "FAIL"));
+      report::print_footer_line("(e) backward / sgemm", fixed(bwd_ratio, 3) + " (target >= 0.35) " +
+                                                            (bwd_pass ? "PASS" : "FAIL"));
       std::printf(
           "# backward GFLOP/s count 2.5x the forward's FLOPs; best = the fastest of --iters\n"
           "# (f) peak RSS (ru_maxrss) after one causal run, B=1 H=1 D=%lld %s, measured first "
@@ -204,10 +207,12 @@ class Kernel final : public Workload {
           static_cast<long long>(head_dim_), dtype_name(dtype_), base_mib_);
       std::fflush(stdout);
     }
-    report::JsonObject bwd;
-    bwd.add("ratio", bwd_ratio).add("target", 0.35).add("pass", bwd_pass);
-    top.add("ratio", ratio).add("target", 0.50).add("pass", pass).add_raw("backward", bwd.str());
-    top.add("rss_base_mib", base_mib_).add_raw("rss", report::json_array(rss_json_));
+    top.update({{"ratio", ratio},
+                {"target", 0.50},
+                {"pass", pass},
+                {"backward", {{"ratio", bwd_ratio}, {"target", 0.35}, {"pass", bwd_pass}}},
+                {"rss_base_mib", base_mib_},
+                {"rss", rss_json_}});
   }
 
   void plan(Plan& p) const override {
@@ -284,11 +289,12 @@ class Kernel final : public Workload {
                  fixed(peak - base_mib_, 1),
                  has_growth ? fixed(growth, 2) : "-",
                  fixed(ms, 1)};
-      report::JsonObject j;
-      j.add("seq", S).add("tensors_mib", tensors).add("peak_rss_mib", peak);
-      j.add("rss_above_base_mib", peak - base_mib_);
-      j.add_raw("growth_vs_s", prev_seq > 0 ? report::json_number(growth) : "null");
-      rss_json_.push_back(j.add("time_ms", ms).str());
+      rss_json_.push_back({{"seq", S},
+                           {"tensors_mib", tensors},
+                           {"peak_rss_mib", peak},
+                           {"rss_above_base_mib", peak - base_mib_},
+                           {"growth_vs_s", prev_seq > 0 ? report::Json(growth) : report::Json()},
+                           {"time_ms", ms}});
       rows.push_back(r);
       prev_seq = double(S), prev_peak = peak;
     }
@@ -302,7 +308,7 @@ class Kernel final : public Workload {
   AttnSpec spec_, rss_spec_;
   EngineOptions e_;
   double gflops_[4] = {0, 0, 0, 0}, base_mib_ = 0;
-  std::vector<std::string> rss_json_;
+  report::Json rss_json_ = report::Json::array();
 };
 
 }  // namespace

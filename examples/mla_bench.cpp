@@ -1,15 +1,11 @@
 // The MLA workload (src/mla.h) on the benchmark engine: one absorbed decode step over G ranks by
 // head split and by TPLA (no, Hadamard or PCA transform); per method its cache and sent bytes
 // against the models, the step latency and the error against exact MLA on three input kinds.
-#include <mpi.h>
-
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <string>
 #include <vector>
 
-#include "collective/mpi_communicator.h"
 #include "examples/bench_device.h"
 #include "examples/bench_inputs.h"
 #include "examples/engine.h"
@@ -31,46 +27,8 @@ constexpr double kExactRelTol = 1e-4;       // head split (every row at G = 1) v
 constexpr Tolerance kTol{1e-4, 1e-4};       // the check: each element vs its float64 rule
 constexpr int64_t kCheckHeads = 2;          // the check's sample: a rank's first heads
 
-// Inputs: Gaussian with std 1 from a hash of (tensor, batch, position, head, dim), the same on
-// every rank and for every G; a latent's outlier channels have std kOutlierFactor.
-enum TensorId : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
-
-float gaussian(uint64_t row, int64_t d) {  // Box-Muller on the two halves of one hash
-  const uint64_t x = mix64(row ^ (uint64_t(d) * 0xd1b54a32d192ed03ull));
-  const double u1 = (double(x >> 32) + 0.5) * 0x1p-32, u2 = double(x & 0xffffffffull) * 0x1p-32;
-  return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
-}
-
-// Tensor `id` in `shape` (fp32, contiguous [B, S, heads, dim] whatever the shape; a 2-D shape
-// is [S, dim] of batch 1): heads h0 .. at positions pos0 ..; channel d times std[d] when given.
-Tensor fill(std::initializer_list<int64_t> shape, TensorId id, int64_t heads, int64_t dim,
-            int64_t pos0 = 0, int64_t h0 = 0, const std::vector<float>* std = nullptr) {
-  Tensor t = Tensor::empty(shape, DType::f32);
-  const bool batched = shape.size() > 2;
-  const int64_t B = batched ? shape.begin()[0] : 1, S = shape.begin()[batched ? 1 : 0];
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint64_t key = row_key(id, b, pos0 + s, h0 + h);
-        float* row = t.ptr<float>() + ((b * S + s) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d)
-          row[d] = gaussian(key, d) * (std ? (*std)[size_t(d)] : 1.f);
-      }
-  return t;
-}
-
-// `n` distinct latent channels chosen by a fixed hash (partial Fisher-Yates), sorted.
-std::vector<int64_t> outlier_channels(int64_t d_c, int64_t n) {
-  std::vector<int64_t> idx(static_cast<size_t>(d_c));
-  std::iota(idx.begin(), idx.end(), int64_t(0));
-  for (int64_t i = 0; i < n; ++i)
-    std::swap(idx[size_t(i)],
-              idx[size_t(i + int64_t(mix64(0x0a71e55ull ^ uint64_t(i)) % uint64_t(d_c - i)))]);
-  idx.resize(static_cast<size_t>(n));
-  std::sort(idx.begin(), idx.end());
-  return idx;
-}
+// Inputs: bench_inputs.h's Gaussian tensors; a latent's outlier channels have std kOutlierFactor.
+enum MlaInput : uint64_t { kQNope = 1, kQPe = 2, kCkv = 3, kKPe = 4, kCalibration = 5 };
 
 // The input kinds: every latent channel of the same energy; a few outlier channels with
 // isotropic queries (the outliers barely steer the logits); the same latents with W_UK's outlier
@@ -81,6 +39,7 @@ struct Kind {
 const Kind kKinds[] = {{"uniform energy", "uniform_energy"},
                        {"outlier channels", "outlier_channels"},
                        {"outlier channels, aligned queries", "outlier_channels_aligned_queries"}};
+constexpr int kNumKinds = int(std::size(kKinds));
 
 // The heads [h0, h0 + n) of [H, a, d_c] weights (views: w outlives them).
 MlaWeights heads_of(const MlaWeights& w, int64_t h0, int64_t n) {
@@ -127,22 +86,14 @@ std::vector<std::string> method_cells(const Method& m, uint64_t cache, double ra
 struct Accuracy {
   double rel_l2 = 0, max_abs = 0;  // ||out - exact|| / ||exact||, max |out - exact|
   CheckStats f64;
-  std::string json() const {
-    report::JsonObject j;
-    j.add("rel_l2", rel_l2).add("max_abs", max_abs);
-    if (f64.checked > 0) j.add("f64_checked_elements", int64_t(f64.checked));
-    if (f64.checked > 0) j.add("f64_wrong", int64_t(f64.wrong)).add("f64_max_err", f64.max_err);
-    return j.str();
+  report::Json json() const {
+    report::Json j = {{"rel_l2", rel_l2}, {"max_abs", max_abs}};
+    if (f64.checked > 0)
+      j.update({{"f64_checked_elements", f64.checked},
+                {"f64_wrong", f64.wrong},
+                {"f64_max_err", f64.max_err}});
+    return j;
   }
-};
-
-struct Result {
-  uint64_t cache_held = 0;       // the shard's bytes, max over ranks
-  Timing t;                      // the uniform-energy kind's steps
-  uint64_t byte_mismatches = 0;  // every kind's steps
-  Accuracy acc[std::size(kKinds)];
-  uint64_t exact_wrong = 0;  // kinds where a row that must equal exact MLA does not
-  uint64_t f64_wrong = 0;    // elements off the float64 rule
 };
 
 class Mla final : public Workload {
@@ -191,9 +142,7 @@ class Mla final : public Workload {
     require_option(outliers_ >= 0 && outliers_ <= dc, "--outliers", outliers_, "0 .. --latent");
     require_option(calibration_ >= 2, "--calibration", calibration_, ">= 2");
     cfg_.validate();
-    channels_ = outlier_channels(dc, outliers_);
-    for (int64_t c : channels_)
-      channel_names_.push_back(std::to_string(c));
+    channels_ = hashed_channels(dc, outliers_);
   }
 
   // mla_decode runs over rt.cp(): the Runtime's grid is cp = every rank, tp = 1.
@@ -202,21 +151,29 @@ class Mla final : public Workload {
   }
 
   std::vector<std::string> config_lines(Runtime& rt) const override {
-    std::vector<std::string> lines = shape_lines();
-    lines.insert(lines.begin(),
-                 cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads()));
-    return lines;
+    return {cat("ranks (G) ", G_, " (cp 1 x tp ", G_, ") threads/rank ", rt.threads(), " ",
+                config_words())};
   }
 
-  void config_json(report::JsonObject& c) const override {
-    c.add("context", S_).add("batch", B_).add("new_tokens", Sq_).add("q_pos0", S_ - Sq_);
-    c.add("mask", "causal").add("steps", e_.iters).add("heads", cfg_.heads);
-    c.add("latent", cfg_.latent).add("rope", cfg_.rope).add("qk_nope", cfg_.qk_nope);
-    c.add("v_head", cfg_.v_head).add("softmax_scale", double(cfg_.scale()));
-    c.add("weight_seed", int64_t(kWeightSeed)).add("outliers", outliers_);
-    c.add("outlier_std_factor", double(kOutlierFactor));
-    c.add_raw("outlier_channels", report::json_array(channel_names_));
-    c.add("calibration", calibration_).add("check_heads_per_rank", kCheckHeads);
+  void config_json(report::Json& c) const override {
+    c.update({{"context", S_},
+              {"batch", B_},
+              {"new_tokens", Sq_},
+              {"q_pos0", S_ - Sq_},
+              {"mask", "causal"},
+              {"steps", e_.iters},
+              {"heads", cfg_.heads},
+              {"latent", cfg_.latent},
+              {"rope", cfg_.rope},
+              {"qk_nope", cfg_.qk_nope},
+              {"v_head", cfg_.v_head},
+              {"softmax_scale", double(cfg_.scale())},
+              {"weight_seed", kWeightSeed},
+              {"outliers", outliers_},
+              {"outlier_std_factor", double(kOutlierFactor)},
+              {"outlier_channels", channels_},
+              {"calibration", calibration_},
+              {"check_heads_per_rank", kCheckHeads}});
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -231,23 +188,10 @@ class Mla final : public Workload {
 
   std::vector<Case> cases(const Bench&) const override { return {{0, cat("mla context ", S_), 0}}; }
   std::vector<Row> run(Bench& b, const Case&) override;
-  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override;
+  void finish(Bench& b, const std::vector<Row>& rows, report::Json& top) override;
   void plan(Plan& p) const override;
 
  private:
-  // The run's shape and inputs: the header's lines and the plan's.
-  std::vector<std::string> shape_lines() const {
-    return {
-        cat("context ", S_, " batch ", B_, " new-tokens ", Sq_, " (queries at positions ", S_ - Sq_,
-            " .., causal) steps ", e_.iters, " warmup ", e_.warmup, " check ", e_.check),
-        cat("MLA heads ", cfg_.heads, " latent ", cfg_.latent, " rope ", cfg_.rope, " qk-nope ",
-            cfg_.qk_nope, " v-head ", cfg_.v_head, " softmax scale ", cfg_.scale(),
-            " fp32; weights MlaWeights::random(seed ", kWeightSeed, ")"),
-        cat("inputs ~ N(0, 1); the outlier kinds' c_kv with ", outliers_, " channels at ",
-            kOutlierFactor, "x std (", report::join(channel_names_, ","),
-            "), aligned queries with W_UK x", kAlignFactor, " on them; PCA on ", calibration_,
-            " other tokens; err: against exact MLA; check: ", kCheckHeads, " heads per rank")};
-  }
   uint64_t cache_bytes(const Method& m) const {  // the model's, per rank
     return mla_cache_bytes_per_token(cfg_, m.parallel, m.opt, G_) * uint64_t(S_ * B_);
   }
@@ -262,9 +206,7 @@ class Mla final : public Workload {
   int64_t S_ = 32768, B_ = 1, Sq_ = 1, outliers_ = 8, calibration_ = 2048;
   EngineOptions e_;
   int G_ = 1;
-  std::vector<int64_t> channels_;  // the outlier channels
-  std::vector<std::string> channel_names_;
-  Result results_[std::size(kMethods)];
+  std::vector<int64_t> channels_;                               // the outlier channels
   uint64_t exact_wrong_ = 0, cache_wrong_ = 0, f64_wrong_ = 0;  // totals
   double f64_max_ = 0;
 };
@@ -275,8 +217,8 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   const int64_t H = cfg_.heads, dn = cfg_.qk_nope, dc = cfg_.latent, dr = cfg_.rope;
   const int64_t dv = cfg_.v_head, pos0 = S_ - Sq_, h0 = r * H / G_, hn = (r + 1) * H / G_ - h0;
   const int64_t hs = std::min(hn, kCheckHeads);
-  const auto q = [&](TensorId id, int64_t first, int64_t n, int64_t dim) {  // heads first ..
-    return fill({B_, Sq_, n, dim}, id, n, dim, pos0, first);
+  const auto q = [&](MlaInput id, int64_t first, int64_t n, int64_t dim) {  // heads first ..
+    return gaussian_tensor({B_, Sq_, n, dim}, id, n, dim, pos0, first);
   };
   // Every head on the device (the decode), this rank's (exact MLA), their first hs (the check).
   const Tensor qn_d = on_device(q(kQNope, 0, H, dn), dev), qp_d = on_device(q(kQPe, 0, H, dr), dev);
@@ -288,7 +230,11 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
   const MlaWeights w_random = MlaWeights::random(cfg_, kWeightSeed);
   const MlaTransform hadamard = make_latent_transform(LatentTransform::hadamard, dc);
 
-  for (int k = 0; k < int(std::size(kKinds)); ++k) {
+  // A row per method, its cells and JSON keys in the order the kinds fill them: the first kind's
+  // cache, bytes and timing, then each kind's accuracy; #wrong last.
+  std::vector<Row> rows(std::size(kMethods));
+  std::vector<uint64_t> exact_wrong(rows.size(), 0);  // kinds where a row is not exact MLA
+  for (int k = 0; k < kNumKinds; ++k) {
     std::vector<float> stds(static_cast<size_t>(dc), 1.f);
     MlaWeights w = w_random;
     if (k == 2) w.w_uk = w_random.w_uk.to(DType::f32);  // a copy: its outlier columns scaled
@@ -299,19 +245,19 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     }
     b.note(cat(kKinds[k].name, ": the cache (", S_, " tokens, batch ", B_, "), exact MLA, the ",
                "transforms (PCA on ", calibration_, " latents), then each method ..."));
-    const Tensor c_kv = fill({B_, S_, dc}, kCkv, 1, dc, 0, 0, &stds);
-    const Tensor k_pe = fill({B_, S_, dr}, kKPe, 1, dr);
+    const Tensor c_kv = gaussian_tensor({B_, S_, dc}, kCkv, 1, dc, 0, 0, &stds);
+    const Tensor k_pe = gaussian_tensor({B_, S_, dr}, kKPe, 1, dr);
     const Tensor exact =
         mla_decode_local(cfg_mine, heads_of(w, h0, hn), qn_mine, qp_mine, c_kv, k_pe, pos0).out;
     const MlaTransform pca = make_latent_transform(
-        LatentTransform::pca, dc, fill({calibration_, dc}, kCalibration, 1, dc, 0, 0, &stds));
+        LatentTransform::pca, dc,
+        gaussian_tensor({calibration_, dc}, kCalibration, 1, dc, 0, 0, &stds));
     const MlaWeights w_hadamard = fold_transform(w, hadamard), w_pca = fold_transform(w, pca);
     const MlaTransform* transforms[] = {nullptr, &hadamard, &pca};  // by LatentTransform
     const MlaWeights* weights[] = {&w, &w_hadamard, &w_pca};
 
     for (size_t i = 0; i < std::size(kMethods); ++i) {
       const Method& m = kMethods[i];
-      Result& res = results_[i];
       const MlaTransform* t = transforms[int(m.transform)];
       const MlaWeights& wm = *weights[int(m.transform)];
       MlaCacheShard shard;
@@ -323,7 +269,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
                                m.tpla() ? G_ : 1, m.opt);
         shard = mla_shard_cache(cfg_, m.parallel, m.opt, c_t, k_pe, r, G_);
       }
-      res.cache_held = allreduce_max(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()));
+      const uint64_t held = allreduce_max(uint64_t(shard.c_kv.nbytes() + shard.k_pe.nbytes()));
       const MlaWeights wm_d{on_device(wm.w_uk, dev), on_device(wm.w_uv, dev)};
       shard.c_kv = on_device(shard.c_kv, dev), shard.k_pe = on_device(shard.k_pe, dev);
       Tensor out;
@@ -336,12 +282,10 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
       call.unit = "steps";
       if (k > 0) call.warmup = 0, call.iters = 1;  // the other kinds: one step, bytes checked
       const Timing tm = b.time(cat("mla ", kKinds[k].name, ": ", m.label), call);
-      if (k == 0) res.t = tm;
-      res.byte_mismatches += tm.byte_mismatches;
       if (!out.device().is_cpu()) out = out.to_device(Device::cpu());
 
       // This rank's heads of out against exact MLA, their first hs against the float64 rule.
-      Accuracy& a = res.acc[k];
+      Accuracy a;
       RelL2 l2;
       for (int64_t row = 0; row < B_ * Sq_; ++row)
         for (int64_t j = 0; j < hn * dv; ++j) {
@@ -351,69 +295,76 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
           a.max_abs = std::max(a.max_abs, std::isfinite(diff) ? std::abs(diff) : INFINITY);
           if (e_.check && j < hs * dv) a.f64.compare(got, f64[size_t(row * hs * dv + j)], kTol);
         }
-      a.rel_l2 = l2.reduced(), a.max_abs = allreduce_max(a.max_abs);
-      a.f64 = a.f64.reduced(), res.f64_wrong += a.f64.wrong;
-      f64_max_ = std::max(f64_max_, a.f64.max_err);
-      if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) res.exact_wrong += 1;
+      a.rel_l2 = l2.reduced(), a.max_abs = allreduce_max(a.max_abs), a.f64 = a.f64.reduced();
+      f64_wrong_ += a.f64.wrong, f64_max_ = std::max(f64_max_, a.f64.max_err);
+      if ((!m.tpla() || G_ == 1) && !(a.rel_l2 <= kExactRelTol)) exact_wrong[i] += 1;
+
+      Row& row = rows[i];
+      if (k == 0) {
+        const uint64_t cache = cache_bytes(m);
+        const double sent_kb = tm.sent_mb * 1e3, model_kb = tm.model_mb * 1e3;
+        row.result = {"mla", m.label, "", S_, G_, tm.step_mean_ms};
+        std::string& name = row.result.strategy;
+        std::replace(name.begin(), name.end(), ' ', '-');  // "tpla-none-split-rope"
+        row.result.wrong = held != cache;
+        cache_wrong_ += held != cache;
+        row.take_bytes(tm);
+        row.cells = method_cells(m, cache, cache_ratio(m));
+        row.cells.insert(row.cells.end(),
+                         {fixed(sent_kb, 3), fixed(model_kb, 3), fixed(tm.step_mean_ms, 2),
+                          fixed(tm.p50_ms, 2), kernel_cell(tm)});
+        row.extra = {{"method", m.label},
+                     {"parallel", mla_parallel_name(m.parallel)},
+                     {"transform", latent_transform_name(m.transform)},
+                     {"rope", m.rope()},
+                     {"scale_logits_by_g", m.opt.scale_logits_by_g},
+                     {"cache_bytes_per_rank_model", cache},
+                     {"cache_bytes_per_rank_held", held},
+                     {"cache_ratio_vs_head_split", cache_ratio(m)},
+                     {"sent_kb_per_rank_per_step", sent_kb},
+                     {"model_kb_per_rank_per_step", model_kb},
+                     {"byte_mismatches", 0},  // every kind's steps: set below
+                     {"mean_ms", tm.step_mean_ms},
+                     {"p50_ms", tm.p50_ms},
+                     {"step_ms", tm.step_ms}};
+        if (tm.kernel_gbs >= 0) row.extra["kernel_gbs"] = tm.kernel_gbs;
+      } else {
+        row.byte_mismatches += tm.byte_mismatches;
+      }
+      row.result.wrong += int64_t(a.f64.wrong);
+      row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
+      row.extra[kKinds[k].key] = a.json();
     }
   }
-
-  std::vector<Row> rows(std::size(kMethods));
   for (size_t i = 0; i < rows.size(); ++i) {
-    const Method& m = kMethods[i];
-    const Result& res = results_[i];
-    const uint64_t cache = cache_bytes(m);
     Row& row = rows[i];
-    row.result = {"mla", m.label, "", S_, G_, res.t.step_mean_ms};
-    std::string& name = row.result.strategy;
-    std::replace(name.begin(), name.end(), ' ', '-');  // "tpla-none-split-rope"
-    row.result.wrong = int64_t(res.exact_wrong + (res.cache_held != cache) + res.f64_wrong);
-    exact_wrong_ += res.exact_wrong, cache_wrong_ += res.cache_held != cache;
-    f64_wrong_ += res.f64_wrong;
-    row.take_bytes(res.t);
-    row.byte_mismatches = res.byte_mismatches;
-    const double sent_kb = res.t.sent_mb * 1e3, model_kb = res.t.model_mb * 1e3;
-    row.cells = method_cells(m, cache, cache_ratio(m));
-    row.cells.insert(row.cells.end(),
-                     {fixed(sent_kb, 3), fixed(model_kb, 3), fixed(res.t.step_mean_ms, 2),
-                      fixed(res.t.p50_ms, 2), kernel_cell(res.t)});
-    for (const Accuracy& a : res.acc)
-      row.cells.insert(row.cells.end(), {sci(a.rel_l2, 2), sci(a.max_abs, 2)});
+    row.result.wrong += int64_t(exact_wrong[i]);
+    exact_wrong_ += exact_wrong[i];
+    row.extra["byte_mismatches"] = row.byte_mismatches;
+    row.extra["exact_wrong"] = exact_wrong[i];
     row.cells.push_back(wrong_cell(row));
-    report::JsonObject& x = row.extra;
-    x.add("method", m.label).add("parallel", mla_parallel_name(m.parallel));
-    x.add("transform", latent_transform_name(m.transform)).add("rope", m.rope());
-    x.add("scale_logits_by_g", m.opt.scale_logits_by_g)
-        .add("cache_bytes_per_rank_model", int64_t(cache));
-    x.add("cache_bytes_per_rank_held", int64_t(res.cache_held));
-    x.add("cache_ratio_vs_head_split", cache_ratio(m));
-    x.add("sent_kb_per_rank_per_step", sent_kb).add("model_kb_per_rank_per_step", model_kb);
-    x.add("byte_mismatches", int64_t(res.byte_mismatches)).add("mean_ms", res.t.step_mean_ms);
-    x.add("p50_ms", res.t.p50_ms).add_raw("step_ms", report::json_numbers(res.t.step_ms));
-    if (res.t.kernel_gbs >= 0) x.add("kernel_gbs", res.t.kernel_gbs);
-    for (int k = 0; k < int(std::size(kKinds)); ++k)
-      x.add_raw(kKinds[k].key, res.acc[k].json());
-    x.add("exact_wrong", int64_t(res.exact_wrong));
   }
   return rows;
 }
 
-void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
+void Mla::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   if (b.root()) {
-    report::print_footer_line(stdout, "Cache model mismatches",
+    report::print_footer_line("Cache model mismatches",
                               cat(cache_wrong_, " (shards that hold other than ",
                                   "mla_cache_bytes_per_token * context * batch)"));
     report::print_footer_line(
-        stdout, "Not exact",
+        "Not exact",
         cat(exact_wrong_, " (head_split", G_ == 1 ? " and every tpla row" : "",
             ", per input kind, over ", sci(kExactRelTol, 0), " relative L2 from exact MLA)"));
     if (e_.check)
       report::print_footer_line(
-          stdout, "vs float64",
+          "vs float64",
           cat(f64_wrong_, " wrong (", kCheckHeads, " heads per rank, within ", kTol.abs, " + ",
               kTol.rel, "*|ref| of its rule); max |err| ", sci(f64_max_, 2)));
   }
-  const auto err = [&](size_t m, int k) { return results_[m].acc[k].rel_l2; };
+  const auto err = [&](size_t m, int k) {
+    return rows[m].extra[kKinds[k].key]["rel_l2"].get<double>();
+  };
   const double dc = double(cfg_.latent), dr = double(cfg_.rope);
   const double target = (dc / 4 + dr) / (dc + dr), ratio = cache_ratio(kMethods[kNone]);
   const double split = cache_ratio(kMethods[kSplitRope]);
@@ -422,10 +373,12 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
              " (target <= 0.33 at G = 4: (", dc, "/4+", dr, ")/", dc + dr, " = ", fixed(target, 3),
              ")", verdict(G_ == 4, cache_met, " (this run is not G = 4)"), "; split rope ",
              fixed(split, 3)));
-  report::JsonObject jcache, jout;
-  jcache.add("tpla_over_head_split", ratio).add("split_rope_over_head_split", split);
-  jcache.add("target_at_4_ranks", target).add("this_run_is_target", G_ == 4);
-  if (G_ == 4) jcache.add("met", cache_met);
+  report::Json& jcache = top["cache_target"] = {{"tpla_over_head_split", ratio},
+                                                {"split_rope_over_head_split", split},
+                                                {"target_at_4_ranks", target},
+                                                {"this_run_is_target", G_ == 4}};
+  if (G_ == 4) jcache["met"] = cache_met;
+  report::Json& jout = top["outlier_target"] = report::Json::object();
   for (int k : {1, 2}) {  // the outlier kinds' target: hadamard < none
     const bool met = err(kHadamard, k) < err(kNone, k);
     b.note(cat(k == 1 ? "outlier latents" : "outlier latents, aligned queries (outliers dominate",
@@ -434,23 +387,24 @@ void Mla::finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) {
                verdict(G_ > 1, met, " (G = 1: every row is exact MLA)"), "; pca ",
                sci(err(kPca, k), 1)));
     const std::string p = k == 1 ? "" : "aligned_";
-    jout.add(p + "tpla_none_rel_err", err(kNone, k));
-    jout.add(p + "tpla_hadamard_rel_err", err(kHadamard, k))
-        .add(p + "tpla_pca_rel_err", err(kPca, k));
-    if (k == 1) jout.add("target", "hadamard < none");
-    if (G_ > 1) jout.add(p + "met", met);
+    jout[p + "tpla_none_rel_err"] = err(kNone, k);
+    jout[p + "tpla_hadamard_rel_err"] = err(kHadamard, k),
+             jout[p + "tpla_pca_rel_err"] = err(kPca, k);
+    if (k == 1) jout["target"] = "hadamard < none";
+    if (G_ > 1) jout[p + "met"] = met;
   }
-  const Timing &hs = results_[kHeadSplit].t, &none = results_[kNone].t;
-  b.note(cat("tpla none / head_split latency ", fixed(none.step_mean_ms / hs.step_mean_ms, 2),
-             " (mean), bytes/step ",
-             hs.sent_mb > 0 ? fixed(none.sent_mb / hs.sent_mb, 2) : "n/a (nothing sent)"));
-  top.add_raw("cache_target", jcache.str()).add_raw("outlier_target", jout.str());
-  top.add("tpla_none_over_head_split_latency", none.step_mean_ms / hs.step_mean_ms);
-  top.add("cache_mismatches", int64_t(cache_wrong_)).add("exact_wrong", int64_t(exact_wrong_));
-  top.add("f64_wrong", int64_t(f64_wrong_));
+  const report::ResultRow &hs = rows[kHeadSplit].result, &none = rows[kNone].result;
+  const double latency = none.time_ms / hs.time_ms;  // the mean steps
+  b.note(cat("tpla none / head_split latency ", fixed(latency, 2), " (mean), bytes/step ",
+             hs.sent_mb_per_rank > 0 ? fixed(none.sent_mb_per_rank / hs.sent_mb_per_rank, 2)
+                                     : "n/a (nothing sent)"));
+  top.update({{"tpla_none_over_head_split_latency", latency},
+              {"cache_mismatches", cache_wrong_},
+              {"exact_wrong", exact_wrong_},
+              {"f64_wrong", f64_wrong_}});
   std::vector<std::pair<std::string, double>> kernels;  // the latent decode of each method
   for (size_t i = 0; i < std::size(kMethods); ++i)
-    kernels.push_back({kMethods[i].label, results_[i].t.kernel_gbs});
+    kernels.push_back({kMethods[i].label, rows[i].extra.value("kernel_gbs", -1.0)});
   roofline_footer(b, kernels, top);
 }
 
@@ -460,8 +414,7 @@ void Mla::plan(Plan& p) const {
   p.line(cat("world ", G_, " ranks = cp 1 x tp ", G_, ": head_split splits the heads (an ",
              "allgather of them per step), tpla the latent (a sum-allreduce of the output); ",
              "device ", device_plan(p.opts().launch)));
-  for (const std::string& line : shape_lines())
-    p.line(line);
+  p.line(config_words());
   std::vector<report::Column> cols = kMethodColumns;
   cols.push_back({"model", "(KB/rank/step)", 14});
   p.table(cols);

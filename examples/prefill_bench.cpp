@@ -25,7 +25,6 @@ namespace {
 using detail::cat;
 using report::fixed;
 
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3, kDout = 4 };
 constexpr int64_t kSampleRows = 8;  // query rows per rank the check compares
 
 class Prefill final : public Workload {
@@ -111,12 +110,15 @@ class Prefill final : public Workload {
     return r;
   }
 
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("strategy", strategy_name(strategy_)).add("ulysses_degree", ulysses_);
-    cfg.add("layout", problem_.layout()).add("stripe_block", problem_.stripe_block());
-    cfg.add("documents", problem_.documents()).add("mask", problem_.mask_desc(seqs_.front()));
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"strategy", strategy_name(strategy_)},
+                {"ulysses_degree", ulysses_},
+                {"layout", problem_.layout()},
+                {"stripe_block", problem_.stripe_block()},
+                {"documents", problem_.documents()},
+                {"mask", problem_.mask_desc(seqs_.front())}});
     shape_.json(cfg);
-    cfg.add("pass", backward_ ? "backward" : "forward");
+    cfg["pass"] = backward_ ? "backward" : "forward";
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
@@ -180,13 +182,17 @@ class Prefill final : public Workload {
     row.result.tflops_per_rank = tflops;
     row.take_bytes(tm);
     const double imbal = flop_spread(p).imbalance;
-    row.extra.add("local_seq", p.layout.max_local_len()).add("imbalance", imbal);
-    row.extra.add("byte_mismatch_ranks", int64_t(tm.byte_mismatches));
-    if (b.check()) {
-      const auto [out, lse] = check_rows(to_host(res), p, r, t, b.per_gpu());
-      const auto [o, l] = row.take_check(out, lse);
-      max_err_out_ = std::max(max_err_out_, o.max_err);
-      max_err_lse_ = std::max(max_err_lse_, l.max_err);
+    row.extra = {{"local_seq", p.layout.max_local_len()},
+                 {"imbalance", imbal},
+                 {"byte_mismatch_ranks", tm.byte_mismatches}};
+    if (b.check()) {  // this rank's sample, reduced over every rank
+      const DecodeCheck c = check_rows(to_host(res), p, r, t, b.per_gpu()).reduced();
+      row.result.wrong = int64_t(c.wrong());
+      row.extra.update({{"checked_elements", c.out.checked + c.lse.checked},
+                        {"max_err_out", c.out.max_err},
+                        {"max_err_lse", c.lse.max_err}});
+      max_err_out_ = std::max(max_err_out_, c.out.max_err);
+      max_err_lse_ = std::max(max_err_lse_, c.lse.max_err);
     }
     row.cells = {std::to_string(S),     std::to_string(p.layout.max_local_len()),
                  fixed(tm.mean_ms, 3),  fixed(tflops, 4),
@@ -195,25 +201,25 @@ class Prefill final : public Workload {
     return {row};
   }
 
-  void finish(Bench& b, const std::vector<Row>&, report::JsonObject& top) override {
+  void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
     const int P = b.rt().cp_size();
     const int64_t S = seqs_.back();
-    report::JsonObject lb;
+    report::Json lb;
     std::string line =
         cat("load balance (max/mean per-rank FLOPs, model, seq ", S, ", ", problem_.mask_desc(S),
             ", ", strategy_name(strategy_), " U ", ulysses_, "):");
     const bool masked = problem_.mask() != "none";
     if (masked) {
-      lb.add("seq", S).add("mask", problem_.mask_desc(S));
+      lb = {{"seq", S}, {"mask", problem_.mask_desc(S)}};
       std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
       if (problem_.documents() > 0) kinds.push_back("varlen");
       for (const std::string& kind : kinds) {
         const double v =
             flop_spread(problem_.make(heads(), S, P, kind, problem_.mask(), 1)).imbalance;
         line += cat(" ", kind, kind == "striped" ? "(1) " : " ", fixed(v, 2));
-        lb.add(kind, v);
+        lb[kind] = v;
       }
-      top.add_raw("load_balance", lb.str());
+      top["load_balance"] = lb;
     }
     if (!b.root()) return;
     std::printf(
@@ -236,12 +242,10 @@ class Prefill final : public Workload {
   void plan(Plan& pl) const override {
     const int P = e_.launch.cp, T = e_.launch.tp;
     const int64_t Hl = shape_.heads / T, Gl = shape_.kv_heads / T, R = P / ulysses_;
-    pl.grid(cat("strategy ", strategy_name(strategy_), " U ", ulysses_, "; layout ",
-                problem_.layout_desc(), "; ", shape_.words()),
-            ulysses_ == 1
-                ? ""
-                : cat("; hybrid: ", R, " Ulysses group(s) of ", ulysses_, " consecutive cp ranks, ",
-                      ulysses_, " ring group(s) of ", R, " cp ranks"));
+    pl.grid(config_words(), ulysses_ == 1 ? ""
+                                          : cat("; hybrid: ", R, " Ulysses group(s) of ", ulysses_,
+                                                " consecutive cp ranks, ", ulysses_,
+                                                " ring group(s) of ", R, " cp ranks"));
     for (int64_t S : seqs_) {
       const Problem p = problem(S, P);
       const Spread f = flop_spread(p), mb = spread(P, [&](int c) { return send_mb(p, c); });
@@ -260,13 +264,10 @@ class Prefill final : public Workload {
     // clang-format on
     pl.for_shown(P * T, [&](int w) {
       const int c = w / T, tp = w % T;
-      std::vector<std::string> runs;
-      for (const Run& run : layout.runs(c))
-        runs.push_back(report::run_desc(run));
       pl.row({std::to_string(w), std::to_string(c), std::to_string(tp),
               std::to_string(layout.local_len(c)), report::index_range(tp * Hl, Hl),
               report::index_range(tp * Gl, Gl), fixed(rank_flops(last, c) / 1e9, 3),
-              fixed(send_mb(last, c), 3), report::join(runs, " ")});
+              fixed(send_mb(last, c), 3), report::positions(layout.runs(c))});
     });
   }
 
@@ -301,9 +302,9 @@ class Prefill final : public Workload {
   }
 
   // kSampleRows local rows spread over the shard (first and last included) against a float64
-  // attention over the keys their mask band can see (bench_reference.h); (out, lse) statistics.
-  std::pair<CheckStats, CheckStats> check_rows(const Partial& res, const Problem& p, int rank,
-                                               int tp_rank, bool gpu) const {
+  // attention over the keys their mask band can see (bench_reference.h); this rank's statistics.
+  DecodeCheck check_rows(const Partial& res, const Problem& p, int rank, int tp_rank,
+                         bool gpu) const {
     const int64_t len = p.layout.local_len(rank), S = p.layout.global_seq();
     const AttnSpec& spec = p.spec;
     const int64_t H = spec.heads_q, Dv = spec.dim_v(), n = std::min(kSampleRows, len);
@@ -320,19 +321,17 @@ class Prefill final : public Workload {
         spec.mask.right >= 0 ? hi + 1 + std::min(spec.mask.right, S - 1 - hi) : S;
     const RefShape shape{shape_.batch, H, spec.heads_kv, spec.head_dim, Dv, double(spec.scale())};
     const auto row = [&](uint64_t id, int64_t b, int64_t ps, int64_t h, int64_t dim, float* out) {
-      const uint64_t key = row_key(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h);
-      for (int64_t d = 0; d < dim; ++d)
-        out[d] = input_value(key, d, shape_.dtype);
+      HashedRows(shape_.dtype)(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h, dim, out);
     };
     const DecodeReference ref = merge_states(
         shape, n,
-        softmax_states(shape, pos, key_begin, key_end, 0, 1, kQ, kK, kV, row,
+        softmax_states(shape, pos, key_begin, key_end, 0, 1, row,
                        [&](int64_t qp, int64_t kp) { return spec.mask.visible(qp, kp); }),
         1);
     const auto [tol_out, tol_lse] = tolerance(gpu);
     DecodeCheck c;
     c.compare(res, ref.out.data(), ref.lse.data(), H, 0, tol_out, tol_lse, &rows);
-    return {c.out, c.lse};
+    return c;
   }
 
   Shape shape_{.dtype_name = "bf16"};

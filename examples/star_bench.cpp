@@ -1,14 +1,11 @@
 // The star workload (src/star.h) on the benchmark engine: phase 1 (the context encoding, an
 // approximation) timed against exact ring attention on the zigzag layout, and its accuracy with
 // and without an attention sink and the anchor; phase 2 (exact decode steps) against tree decode.
-#include <mpi.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "collective/mpi_communicator.h"
 #include "examples/bench_inputs.h"
 #include "examples/bench_reference.h"
 #include "examples/engine.h"
@@ -28,29 +25,8 @@ using report::sci;
 // The accuracy part's exact attention (ring) runs over at most this many tokens (above: the
 // block and the anchor scaled alike).
 constexpr int64_t kAccuracyMaxSeq = 16384;
-constexpr int64_t kSinkTokens = 4;  // the context's first tokens, which carry the sink
 // Block 0's rows see all their keys: exact attention up to fp32 rounding.
 constexpr double kRank0RelTol = 1e-5, kRank0LseTol = 1e-4;
-// vs float64 for every dtype (both sides read the rounded inputs); star vs tree: merge order.
-constexpr Tolerance kTol{1e-4, 1e-4}, kSame{1e-5, 1e-5};
-enum TensorId : uint64_t { kQ = 1, kK = 2, kV = 3 };
-
-// bench_inputs.h's values plus `sink` times a fixed direction u (entries +-D^(-1/4), |u|^2 =
-// 1/scale) on every query and the first kSinkTokens keys, before the rounding to the dtype: those
-// keys' logits rise by about sink^2 and take most of every row's attention, as in trained models.
-struct Inputs {
-  DType dtype;
-  float sink;
-  void operator()(uint64_t id, int64_t b, int64_t pos, int64_t h, int64_t dim, float* out) const {
-    const uint64_t key = row_key(id, b, pos, h);
-    const bool sunk = sink != 0.f && (id == kQ || (id == kK && pos < kSinkTokens));
-    const float u = sunk ? sink * float(std::pow(double(dim), -0.25)) : 0.f;  // sink * |u_d|
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x = input_value(key, d, DType::f32);
-      out[d] = round_to(x + ((mix64(0x51a4d1e5ull ^ uint64_t(d)) & 1) ? u : -u), dtype);
-    }
-  }
-};
 
 // star's phase 1 against the exact result over every row of every rank, as an accuracy row;
 // first_rows: how many of this rank's first rows form block 0 (0 on the other ranks).
@@ -63,25 +39,30 @@ Row accuracy_row(const Partial& star, const Partial& exact, int64_t first_rows, 
     all.add(so[i], eo[i]);
     if ((i / hd) % n < first_rows) first.add(so[i], eo[i]);
   }
-  double s[2] = {0, double(exact.lse.numel())}, lse0 = 0;  // the sum of |lse diff|, the count
+  double lse_sum = 0, lse0 = 0;  // the sum of |lse diff|; its max over block 0's rows
   const float *sl = star.lse.ptr<float>(), *el = exact.lse.ptr<float>();
   for (int64_t i = 0; i < exact.lse.numel(); ++i) {
     const double d = sl[i] == el[i] ? 0.0 : std::abs(double(sl[i]) - double(el[i]));
-    s[0] += d;
+    lse_sum += d;
     if (i % n < first_rows) lse0 = std::max(lse0, std::isfinite(d) ? d : INFINITY);
   }
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, s, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-  const double err = all.reduced(), lse = s[1] > 0 ? s[0] / s[1] : 0, err0 = first.reduced();
+  const double count = double(allreduce_sum(uint64_t(exact.lse.numel())));
+  const double err = all.reduced(), err0 = first.reduced(), lse = allreduce_sum(lse_sum) / count;
   lse0 = allreduce_max(lse0);
   const bool exact0 = err0 <= kRank0RelTol && lse0 <= kRank0LseTol;
   Row row;
   row.in_json = false;  // finish writes these rows into the JSON's "accuracy"
   row.byte_checked = true, row.byte_mismatches = byte_mismatches;
   row.result.wrong = exact0 ? 0 : 1;
-  row.extra.add("sink", sink).add("anchor", anchor).add("rel_err_out", err);
-  row.extra.add("lse_mean_abs_err", lse).add("rank0_rel_err_out", err0);
-  row.extra.add("rank0_lse_max_abs_err", lse0).add("rank0_exact", exact0);
-  row.extra.add("byte_mismatches", int64_t(byte_mismatches)).add("wrong", int64_t(row.wrong()));
+  row.extra = {{"sink", sink},
+               {"anchor", anchor},
+               {"rel_err_out", err},
+               {"lse_mean_abs_err", lse},
+               {"rank0_rel_err_out", err0},
+               {"rank0_lse_max_abs_err", lse0},
+               {"rank0_exact", exact0},
+               {"byte_mismatches", byte_mismatches},
+               {"wrong", row.wrong()}};
   const std::string inputs = sink != 0 ? cat("sink ", fixed(sink, 1)) : "no sink";
   row.cells = {inputs,      std::to_string(anchor), sci(err, 3),
                sci(lse, 3), sci(err0, 2),           wrong_cell(row)};
@@ -95,19 +76,17 @@ class StarWorkload final : public Workload {
   }
 
   void add_options(po::options_description& desc) override {
-    // clang-format off
-    desc.add_options()
-      ("seq,s", po::value(&seq_)->default_value(seq_), "context length S")
-      ("block", po::value(&block_)->value_name("arg (=S/16)"),
-       "tokens per block b of the blocks layout")
-      ("anchor", po::value(&anchor_)->value_name("arg (=block)"),
-       "anchor a: the first tokens every rank sees (0 .. block; 0 = off)")
-      ("new-tokens,q", po::value(&new_tokens_)->default_value(new_tokens_),
-       "tokens S_q per decode step")
-      ("steps", po::value(&steps_)->default_value(steps_), "decode steps (phase 2)")
-      ("sink", po::value(&sink_)->default_value(sink_),
-       "attention sink strength s (the first 4 keys and every query; 0 = no sink)");
-    // clang-format on
+    const auto opt = [&](const char* name, auto& v, const char* help) {
+      desc.add_options()(name, po::value(&v)->default_value(v), help);
+    };
+    opt("seq,s", seq_, "context length S");
+    desc.add_options()("block", po::value(&block_)->value_name("arg (=S/16)"),
+                       "tokens per block b of the blocks layout");
+    desc.add_options()("anchor", po::value(&anchor_)->value_name("arg (=block)"),
+                       "anchor a: the first tokens every rank sees (0 .. block; 0 = off)");
+    opt("new-tokens,q", new_tokens_, "tokens S_q per decode step");
+    opt("steps", steps_, "decode steps (phase 2)");
+    opt("sink", sink_, "attention sink strength s (the first 4 keys and every query; 0 = no sink)");
     shape_.add_options(desc);
   }
 
@@ -133,20 +112,10 @@ class StarWorkload final : public Workload {
       acc_anchor_ = std::clamp<int64_t>(anchor_ * acc_seq_ / seq_, 1, acc_block_);
   }
 
-  std::vector<std::string> config_lines(Runtime& rt) const override {
-    std::vector<std::string> lines = Workload::config_lines(rt);
-    lines.push_back(
-        cat("phase 1: star_prefill over ", Layout::blocks(seq_, rt.cp_size(), block_).str(),
-            " vs ring attention over ", Layout::zigzag(seq_, rt.cp_size()).str(),
-            "; accuracy at seq ", acc_seq_, " block ", acc_block_, " anchor ", acc_anchor_,
-            scaled() ? cat(" (scaled from seq ", seq_, ": above ", kAccuracyMaxSeq, ")") : ""));
-    return lines;
-  }
-
-  void config_json(report::JsonObject& cfg) const override {
-    cfg.add("seq", seq_).add("block", block_).add("anchor", anchor_).add("mask", "causal");
+  void config_json(report::Json& cfg) const override {
+    cfg.update({{"seq", seq_}, {"block", block_}, {"anchor", anchor_}, {"mask", "causal"}});
     shape_.json(cfg);
-    cfg.add("new_tokens", new_tokens_).add("steps", steps_).add("sink", sink_);
+    cfg.update({{"new_tokens", new_tokens_}, {"steps", steps_}, {"sink", sink_}});
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -175,21 +144,20 @@ class StarWorkload final : public Workload {
     if (c.index <= 1) return {run_phase1(b, c.index == 0)};
     return c.index == 2 ? run_accuracy(b) : run_phase2(b);
   }
-  void finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) override;
+  void finish(Bench& b, const std::vector<Row>& rows, report::Json& top) override;
   void plan(Plan& p) const override;
 
  private:
   bool scaled() const { return seq_ > kAccuracyMaxSeq; }
   // This tp rank's slice [B, n, heads, D] of tensor id: its shard under l, or (no l) the
   // decode step's tokens at positions pos0 ..
-  Tensor make(const Inputs& in, TensorId id, const Runtime& rt, const Layout* l,
+  Tensor make(const HashedRows& in, TensorId id, const Runtime& rt, const Layout* l,
               int64_t pos0 = 0) const {
-    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, r = rt.cp_rank();
-    const auto pos = [&](int64_t i) { return l ? l->global_position(int(r), i) : pos0 + i; };
-    return make_rows(in, id, shape_.batch, l ? l->local_len(int(r)) : new_tokens_, pos, heads,
-                     rt.tp_rank() * heads, shape_.head_dim, shape_.dtype);
+    const int64_t heads = id == kQ ? spec_.heads_q : spec_.heads_kv, h0 = rt.tp_rank() * heads;
+    return l ? make_shard(id, *l, rt.cp_rank(), shape_.batch, heads, shape_.head_dim, in, h0)
+             : make_tokens(id, pos0, new_tokens_, shape_.batch, heads, shape_.head_dim, in, h0);
   }
-  // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`) and t's bytes.
+  // A row of phase 1 or 2: the common keys (TFLOP/s per rank from `flops`), t's bytes.
   Row timed_row(const Runtime& rt, int phase, const char* strategy, const char* layout,
                 double time_ms, double flops, uint64_t wrong, const Timing& t) const {
     Row row;
@@ -197,7 +165,7 @@ class StarWorkload final : public Workload {
     row.result.tflops_per_rank = flops / rt.cp_size() / (time_ms * 1e-3) / 1e12;
     row.result.wrong = int64_t(wrong);
     row.take_bytes(t);
-    row.extra.add("phase", phase);
+    row.extra = {{"phase", phase}, {"byte_mismatches", t.byte_mismatches}};
     return row;
   }
   Row run_phase1(Bench& b, bool star);
@@ -210,40 +178,35 @@ class StarWorkload final : public Workload {
   double sink_ = 4.0;
   AttnSpec spec_;  // causal, one tp rank's heads
   int64_t acc_seq_ = 0, acc_block_ = 0, acc_anchor_ = 0;
-  // For finish: phase 1's FLOP model max (star, ring) and phase 2's checks.
-  double gflop_max_[2] = {0, 0};
-  DecodeCheck vs_tree_, vs_ref_[2];  // star vs tree; star and tree vs float64
+  DecodeCheck vs_tree_, vs_ref_[2];  // phase 2's checks: star vs tree; star and tree vs float64
 };
 
 Row StarWorkload::run_phase1(Bench& b, bool star) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = star ? Layout::blocks(seq_, P, block_) : Layout::zigzag(seq_, P);
-  const Inputs in{shape_.dtype, float(sink_)};
+  const HashedRows in(shape_.dtype, float(sink_));
   const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   TimedCall call;
   call.call = [&] {
     (void)(star ? star_prefill(rt, q, k, v, spec_, l, anchor_)
                 : attention(rt, q, k, v, spec_, l, Strategy::ring));
   };
-  const uint64_t model =
-      star ? star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, r)
-           : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
-  call.model_bytes = [model] { return model; };
+  call.model_bytes = [&] {
+    return star ? star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, r)
+                : attention_send_bytes(Strategy::ring, l, spec_, shape_.batch, shape_.dtype, 1, r);
+  };
   const Timing t = b.time(star ? "star phase 1 star_prefill" : "star phase 1 ring attention", call);
-  const auto flops = [&](int rank) {
+  const auto [max, sum, imbalance] = spread(P, [&](int rank) {
     return star ? star_prefill_flops(l, spec_, shape_.batch, anchor_, rank)
                 : attention_rank_flops(Strategy::ring, l, spec_, shape_.batch, 1, rank);
-  };
-  const auto [max, sum, imbalance] = spread(P, flops);
-  gflop_max_[star ? 0 : 1] = max / 1e9;
+  });
   // TFLOP/s per rank of star's own (approximate) problem, its exact visible pairs; ring's as the
   // prefill workload reports it, the causal attention model over all S tokens.
   const double total = star ? sum : attention_flops(shape_.batch, seq_, seq_, spec_);
   Row row =
       timed_row(rt, 1, star ? "star" : "ring", Layout::kind_name(l.kind()), t.mean_ms, total, 0, t);
-  row.extra.add("model_gflop_max", max / 1e9).add("imbalance", imbalance);
-  row.extra.add("byte_mismatches", int64_t(t.byte_mismatches));
+  row.extra.update({{"model_gflop_max", max / 1e9}, {"imbalance", imbalance}});
   row.cells = {
       row.result.strategy,  star ? cat("blocks(b=", block_, ",a=", anchor_, ")") : "zigzag",
       fixed(t.mean_ms, 2),  fixed(t.sent_mb, 3),
@@ -258,13 +221,14 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
   Runtime& rt = b.rt();
   const int r = rt.cp_rank();
   const Layout l = Layout::blocks(acc_seq_, rt.cp_size(), acc_block_);
-  const int64_t block0 = l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? acc_block_ : 0;
-  b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_,
-             scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
+  const int64_t block0 =  // how many of this rank's rows are block 0's
+      l.local_len(r) > 0 && l.global_position(r, 0) == 0 ? std::min(acc_block_, l.local_len(r)) : 0;
+  b.note(cat("accuracy of phase 1 at seq ", acc_seq_, ", block ", acc_block_, ", anchor ",
+             acc_anchor_, scaled() ? cat(" (scaled from seq ", seq_, " block ", block_, ")") : "",
              ": star vs exact (ring over ", l.str(), ") ..."));
   std::vector<Row> rows;
   for (double sink : sink_ != 0 ? std::vector<double>{sink_, 0.0} : std::vector<double>{0.0}) {
-    const Inputs in{shape_.dtype, float(sink)};
+    const HashedRows in(shape_.dtype, float(sink));
     const Tensor q = make(in, kQ, rt, &l), k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
     const Partial exact = attention(rt, q, k, v, spec_, l, Strategy::ring);
     for (int64_t a :
@@ -273,8 +237,7 @@ std::vector<Row> StarWorkload::run_accuracy(Bench& b) {
       const Partial star = star_prefill(rt, q, k, v, spec_, l, a);
       const bool off = rt.counters().data_bytes() !=
                        star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, a, r);
-      rows.push_back(accuracy_row(star, exact, std::min(block0, l.local_len(r)), sink, a,
-                                  allreduce_sum(uint64_t(off))));
+      rows.push_back(accuracy_row(star, exact, block0, sink, a, allreduce_sum(uint64_t(off))));
     }
   }
   return rows;
@@ -287,7 +250,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   Runtime& rt = b.rt();
   const int P = rt.cp_size(), r = rt.cp_rank();
   const Layout l = Layout::blocks(seq_, P, block_);
-  const Inputs in{shape_.dtype, float(sink_)};
+  const HashedRows in(shape_.dtype, float(sink_));
   const Tensor k = make(in, kK, rt, &l), v = make(in, kV, rt, &l);
   std::vector<Partial> res[2];
   Timing t[2];
@@ -307,7 +270,7 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
       res[i].push_back(i == 0 ? star_decode(rt, q, cache)
                               : decode(rt, q, cache, DecodeStrategy::tree));
     };
-    const int nodes = rt.spans_nodes() ? rt.node().size() : 0;
+    const int nodes = rt.spans_nodes() ? rt.node().size() : 0;  // tree decode's model
     call.model_bytes = [&] {
       return i == 0 ? star_decode_send_bytes(cache, new_tokens_, r)
                     : decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, nodes, r);
@@ -315,31 +278,28 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
     t[i] = b.time(i == 0 ? "star phase 2 star_decode" : "star phase 2 tree decode", call);
   }
   for (int s = 0; b.check() && s < steps_; ++s) {
-    const DecodeReference ref = decode_reference(
-        {shape_.batch, new_tokens_, shape_.heads, shape_.kv_heads, shape_.head_dim},
-        seq_ + (s + 1) * new_tokens_, kQ, kK, kV, in);
+    const DecodeReference ref =
+        decode_reference(shape_, new_tokens_, seq_ + (s + 1) * new_tokens_, in);
     if (r != P - 1) continue;  // the query rank holds the results
     const Partial& tree = res[1][size_t(s)];
     vs_tree_.compare(res[0][size_t(s)], tree.out.ptr<float>(), tree.lse.ptr<float>(), spec_.heads_q,
-                     0, kSame, kSame);
+                     0, kSameTol, kSameTol);
     for (int i = 0; i < 2; ++i)
       vs_ref_[i].compare(res[i][size_t(s)], ref.out.data(), ref.lse.data(), shape_.heads,
-                         rt.tp_rank() * spec_.heads_q, kTol, kTol);
+                         rt.tp_rank() * spec_.heads_q, kDecodeTol, kDecodeTol);
   }
   for (DecodeCheck* c : {&vs_tree_, &vs_ref_[0], &vs_ref_[1]})
     *c = c->reduced();
-  AttnSpec unmasked = spec_;  // a step's queries see every key of the context
-  unmasked.mask = Mask::none();
+  // A step's queries see every key of the context.
+  const double flops = attention_flops(shape_.batch, new_tokens_, seq_, shape_.spec(Mask::none()));
   std::vector<Row> rows;
   for (int i = 0; i < 2; ++i) {
     const uint64_t wrong = i == 0 ? vs_tree_.wrong() + vs_ref_[0].wrong() : vs_ref_[1].wrong();
     // "star_decode": a plotted series is (workload, strategy, layout, ranks), and phase 1's star
     // row has the same layout.
-    Row& row = rows.emplace_back(
-        timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks", t[i].step_mean_ms,
-                  attention_flops(shape_.batch, new_tokens_, seq_, unmasked), wrong, t[i]));
-    row.extra.add("p50_ms", t[i].p50_ms).add("byte_mismatches", int64_t(row.byte_mismatches));
-    row.extra.add("wrong_check", int64_t(wrong));
+    Row& row = rows.emplace_back(timed_row(rt, 2, i == 0 ? "star_decode" : "tree", "blocks",
+                                           t[i].step_mean_ms, flops, wrong, t[i]));
+    row.extra.update({{"p50_ms", t[i].p50_ms}, {"wrong_check", wrong}});
     row.cells = {
         i == 0 ? "star" : "tree", std::to_string(seq_),         fixed(t[i].step_mean_ms, 3),
         fixed(t[i].p50_ms, 3),    fixed(t[i].sent_mb * 1e3, 3), fixed(t[i].model_mb * 1e3, 3),
@@ -348,20 +308,22 @@ std::vector<Row> StarWorkload::run_phase2(Bench& b) {
   return rows;
 }
 
-void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonObject& top) {
+void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   const double star = rows[0].result.time_ms, ring = rows[1].result.time_ms;
   const double star2 = rows[rows.size() - 2].result.time_ms, tree = rows.back().result.time_ms;
-  const double measured = ring / star, model = gflop_max_[1] / gflop_max_[0];
+  const double measured = ring / star, model = rows[1].extra["model_gflop_max"].get<double>() /
+                                               rows[0].extra["model_gflop_max"].get<double>();
   const bool target = b.rt().cp_size() == 4 && b.rt().tp_size() == 1 && seq_ == 32768 &&
                       block_ == seq_ / 16 && anchor_ == block_;
   b.note(cat("Check: each call's bytes = its model; block 0's rows of phase 1 = exact attention ",
              "(rel_err <= ", kRank0RelTol, ", |lse diff| <= ", kRank0LseTol, ")"));
   if (b.check() && b.root()) {
-    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSame.abs, " + ",
-               kSame.rel, "*|tree|, both vs float64 within ", kTol.abs, " + ", kTol.rel, "*|ref|"));
-    report::print_footer_line(stdout, "star vs tree", vs_tree_.line("diff"));
-    report::print_footer_line(stdout, "star vs float64", vs_ref_[0].line("err"));
-    report::print_footer_line(stdout, "tree vs float64", vs_ref_[1].line("err"));
+    b.note(cat("Check: each decode step on the query rank: star vs tree within ", kSameTol.abs,
+               " + ", kSameTol.rel, "*|tree|, both vs float64 within ", kDecodeTol.abs, " + ",
+               kDecodeTol.rel, "*|ref|"));
+    report::print_footer_line("star vs tree", vs_tree_.line("diff"));
+    report::print_footer_line("star vs float64", vs_ref_[0].line("err"));
+    report::print_footer_line("tree vs float64", vs_ref_[1].line("err"));
   }
   b.note(cat("phase 1: star ", fixed(star, 2), " ms, ring (zigzag) ", fixed(ring, 2),
              " ms, measured ", fixed(measured, 2), " faster, model ", fixed(model, 2),
@@ -369,24 +331,21 @@ void StarWorkload::finish(Bench& b, const std::vector<Row>& rows, report::JsonOb
              verdict(target, measured >= 4, " (not the target configuration)")));
   b.note(cat("phase 2: star_decode ", fixed(star2, 3), " ms/step, tree ", fixed(tree, 3),
              " ms/step: star/tree ", fixed(star2 / tree, 2)));
-  std::vector<std::string> acc;
+  top["phase1"] = {{"measured_speedup", measured}, {"model_flop_ratio", model}};
+  top["accuracy"] = {
+      {"seq", acc_seq_}, {"block", acc_block_}, {"anchor", acc_anchor_}, {"scaled", scaled()}};
   for (const Row& r : rows)
-    if (!r.in_json) acc.push_back(r.extra.str());
-  report::JsonObject p1, ja, p2, tg;
-  p1.add("measured_speedup", measured).add("model_flop_ratio", model);
-  ja.add("seq", acc_seq_).add("block", acc_block_).add("anchor", acc_anchor_);
-  ja.add("scaled", scaled()).add_raw("rows", report::json_array(acc));
-  p2.add("context", seq_).add("final_length", seq_ + steps_ * new_tokens_);
-  p2.add("star_over_tree_latency", star2 / tree);
+    if (!r.in_json) top["accuracy"]["rows"].push_back(r.extra);
+  report::Json& p2 = top["phase2"] = {{"context", seq_},
+                                      {"final_length", seq_ + steps_ * new_tokens_},
+                                      {"star_over_tree_latency", star2 / tree}};
   if (b.check())
-    p2.add_raw("star_vs_tree", vs_tree_.json())
-        .add_raw("star_vs_float64", vs_ref_[0].json())
-        .add_raw("tree_vs_float64", vs_ref_[1].json());
-  tg.add("ranks", 4).add("seq", int64_t(32768)).add("phase1_speedup", 4.0);
-  tg.add("this_run_is_target", target);
-  if (target) tg.add("met", measured >= 4);
-  top.add_raw("phase1", p1.str()).add_raw("accuracy", ja.str());
-  top.add_raw("phase2", p2.str()).add_raw("target", tg.str());
+    p2.update({{"star_vs_tree", vs_tree_.json()},
+               {"star_vs_float64", vs_ref_[0].json()},
+               {"tree_vs_float64", vs_ref_[1].json()}});
+  top["target"] = {
+      {"ranks", 4}, {"seq", 32768}, {"phase1_speedup", 4.0}, {"this_run_is_target", target}};
+  if (target) top["target"]["met"] = measured >= 4;
 }
 
 // --dry-run: every rank's block of the context, whether it holds the anchor, its heads, its
@@ -402,10 +361,7 @@ void StarWorkload::plan(Plan& p) const {
     return double(star_prefill_send_bytes(l, spec_, shape_.batch, shape_.dtype, anchor_, c)) / 1e6;
   };
   const auto [max, sum, imbalance] = spread(P, flops);
-  p.grid(cat("seq ", seq_, " block ", block_, " anchor ", anchor_, "; mask causal ", shape_.words(),
-             "; iters ", p.opts().iters, " warmup ", p.opts().warmup, " new-tokens ", new_tokens_,
-             " steps ", steps_),
-         cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
+  p.grid(config_words(), cat("; phase 2's query rank: cp rank ", P - 1, " of each cp group"));
   p.line(cat("phase 1, star_prefill over ", l.str(), ": ", fixed(sum * T / 1e12, 3),
              " TFLOP in all (exact visible pairs), per rank max ", fixed(max / 1e9, 3),
              " GFLOP, imbalance ", fixed(imbalance, 3), "; the anchor's K/V sent once, max ",
@@ -422,9 +378,6 @@ void StarWorkload::plan(Plan& p) const {
   p.for_shown(W, [&](int w) {
     const int c = w / T, t = w % T;
     const int64_t len = l.local_len(c);
-    std::vector<std::string> runs;
-    for (const Run& run : l.runs(c))
-      if (run.length > 0) runs.push_back(report::run_desc(run));
     p.row(
         {std::to_string(w), std::to_string(c), std::to_string(t), std::to_string(len),
          std::to_string((len + block_ - 1) / block_),
@@ -432,7 +385,7 @@ void StarWorkload::plan(Plan& p) const {
          report::index_range(t * Hl, Hl), report::index_range(t * Gl, Gl), fixed(flops(c) / 1e9, 3),
          fixed(mb(c), 3), fixed(double(star_decode_send_bytes(cache, new_tokens_, c)) / 1e3, 3),
          fixed(double(decode_send_bytes(DecodeStrategy::tree, cache, new_tokens_, 0, c)) / 1e3, 3),
-         runs.empty() ? "-" : report::join(runs, " ")});
+         report::positions(l.runs(c))});
   });
 }
 

@@ -1,8 +1,8 @@
 // The kernel workload (dattn-kernel-bench) on the benchmark engine: the single-process CPU
 // attention kernel against the BLAS it is built on. Peak RSS against S first (the kernel's
 // memory is linear in S; ru_maxrss only grows), then the BLAS's sgemm FLOP/s, the kernel's
-// attention FLOP/s on the same threads, their ratio (target >= 0.50), and the backward's FLOP/s
-// and ratio (target >= 0.35).
+// attention FLOP/s on the same threads, their ratio (target >= 0.85 for fp32, floor 0.80), and
+// the backward's FLOP/s and ratio (target >= 0.35).
 #include <cblas.h>
 #include <mpi.h>
 #include <omp.h>
@@ -193,10 +193,17 @@ class Kernel final : public Workload {
   void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
     const double ratio = gflops_[kAttention] / gflops_[kGemm];
     const double bwd_ratio = gflops_[kBackward] / gflops_[kGemm];
-    const bool pass = ratio >= 0.50, bwd_pass = bwd_ratio >= 0.35;
+    // The forward's target is issue 16's, for fp32 (16-bit runs have other limits: the bf16 rate
+    // of the matrix units, or widening).
+    const double target = 0.85, floor = 0.80;
+    const bool pass = ratio >= target, bwd_pass = bwd_ratio >= 0.35;
+    const char* verdict = pass             ? "PASS"
+                          : ratio >= floor ? "BELOW target, above the floor 0.80"
+                                           : "BELOW the floor 0.80";
     if (b.root()) {
       report::print_footer_line("(c) kernel / sgemm",
-                                fixed(ratio, 3) + " (target >= 0.50) " + (pass ? "PASS" : "BELOW"));
+                                fixed(ratio, 3) + " (fp32 target >= 0.85) " +
+                                    (dtype_ == DType::f32 ? verdict : "(not an fp32 run)"));
       report::print_footer_line("(e) backward / sgemm", fixed(bwd_ratio, 3) + " (target >= 0.35) " +
                                                             (bwd_pass ? "PASS" : "FAIL"));
       std::printf(
@@ -208,7 +215,7 @@ class Kernel final : public Workload {
       std::fflush(stdout);
     }
     top.update({{"ratio", ratio},
-                {"target", 0.50},
+                {"target", target},
                 {"pass", pass},
                 {"backward", {{"ratio", bwd_ratio}, {"target", 0.35}, {"pass", bwd_pass}}},
                 {"rss_base_mib", base_mib_},

@@ -161,7 +161,7 @@ bool row_finite(const Tiles& t, const GemmOperand& V, int64_t r, int64_t cols) {
   if (t.op == DType::f32) return all_finite(static_cast<const float*>(V.ptr) + r * V.ld, cols);
   const uint16_t* row = static_cast<const uint16_t*>(V.ptr) + r * V.ld;
   for (int64_t c = 0; c < cols; ++c)
-    if ((row[c] & 0x7f80u) == 0x7f80u) return false;
+    if (is_non_finite(row, DType::bf16, c)) return false;
   return true;
 }
 

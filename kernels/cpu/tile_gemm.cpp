@@ -27,10 +27,6 @@
 
 namespace dattn::cpu {
 
-const char* gemm_path_name(GemmPath p) {
-  return p == GemmPath::blas ? "blas" : "onednn";
-}
-
 namespace {
 
 // -1: no path forced; else the GemmPath.

@@ -17,7 +17,6 @@
 namespace dattn::cpu {
 
 enum class GemmPath { blas, onednn };
-const char* gemm_path_name(GemmPath p);
 
 // Whether this build and CPU run dtype's operands (f32 or bf16) on path p at its full speed:
 // blas for f32 only; onednn when built with it and oneDNN picks a brgemm kernel here for the

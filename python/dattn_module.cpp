@@ -3,10 +3,10 @@
 // and single-process) on numpy arrays, layout positions and a few MPI helpers. The package's
 // __init__.py turns torch tensors into these arrays and back and adds autograd.
 #include <mpi.h>
-#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <iterator>
 #include <memory>
 #include <new>
@@ -104,54 +104,106 @@ void finalize() {
   if (s.initialised_mpi && mpi_active()) MPI_Finalize();
 }
 
-// ---------------------------------------------------------------- arrays <-> tensors
+// ---------------------------------------------------------------- buffers <-> tensors
+//
+// Arrays cross the boundary by Python's buffer protocol, not numpy's C API: the extension then
+// does not depend on the numpy it was built against (numpy 2 changed the C structs that
+// pybind11 < 2.12 reads), so one build serves Debian's numpy 1.24 and PyPI's numpy 2.x, and the
+// package turns buffers into numpy arrays or torch tensors without copying.
 
-// (array, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
-// 16-bit patterns in a uint16/int16 array, as numpy has no bfloat16).
+// A result's storage (a tensor, or int64 values) seen through the buffer protocol: the package
+// wraps it with np.asarray (no copy), which keeps this object, and so the storage, alive.
+struct Buffer {
+  std::shared_ptr<const void> owner;
+  void* data = nullptr;
+  std::string format;  // struct-module format: "f" float32, "q" int64
+  py::ssize_t itemsize = 0;
+  std::vector<py::ssize_t> shape;
+};
+
+Buffer to_buffer(dattn::Tensor t) {
+  if (t.dtype() != dattn::DType::f32)
+    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
+  Buffer b;
+  for (int d = 0; d < t.dim(); ++d)
+    b.shape.push_back(t.size(d));
+  auto owner = std::make_shared<dattn::Tensor>(std::move(t));
+  b.data = owner->data();
+  b.owner = std::move(owner);
+  b.format = py::format_descriptor<float>::format();
+  b.itemsize = sizeof(float);
+  return b;
+}
+
+Buffer to_buffer(std::vector<int64_t> v) {
+  Buffer b;
+  b.shape = {py::ssize_t(v.size())};
+  auto owner = std::make_shared<std::vector<int64_t>>(std::move(v));
+  b.data = owner->data();
+  b.owner = std::move(owner);
+  b.format = py::format_descriptor<int64_t>::format();
+  b.itemsize = sizeof(int64_t);
+  return b;
+}
+
+py::buffer_info buffer_info(Buffer& b) {
+  std::vector<py::ssize_t> strides(b.shape.size());
+  py::ssize_t stride = b.itemsize;
+  for (size_t d = b.shape.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= b.shape[d];
+  }
+  return py::buffer_info(b.data, b.itemsize, b.format, py::ssize_t(b.shape.size()), b.shape,
+                         strides);
+}
+
+// The element type a buffer's struct-module format names ("f", "<f", "=e", ...), or 0.
+char format_code(const std::string& format) {
+  if (format.size() == 1) return format[0];
+  if (format.size() == 2 && (format[0] == '<' || format[0] == '=' || format[0] == '@'))
+    return format[1];
+  return 0;
+}
+
+// Whether a buffer's elements are dense in C order (strides of dimensions of size 1 do not matter).
+bool c_contiguous(const py::buffer_info& a) {
+  py::ssize_t stride = a.itemsize;
+  for (py::ssize_t i = a.ndim; i-- > 0;) {
+    if (a.shape[size_t(i)] > 1 && a.strides[size_t(i)] != stride) return false;
+    stride *= a.shape[size_t(i)];
+  }
+  return true;
+}
+
+// (buffer, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
+// 16-bit patterns in a uint16/int16 buffer, as numpy has no bfloat16). A view, no copy: the
+// package holds the object for the duration of the call.
 dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
   if (t.size() != 2)
     DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: ", name,
                      " is not an (array, dtype) pair");
-  py::array a = t[0].cast<py::array>();
   const std::string dtype = t[1].cast<std::string>();
   if (dtype != "fp32" && dtype != "fp16" && dtype != "bf16")  // what the package could not take
     DATTN_THROW("invalid ", name, ": ", dtype, ": expected float32, float16 or bfloat16");
-  const py::dtype dt = a.dtype();
+  const py::buffer_info a = t[0].cast<py::buffer>().request();
+  const char code = format_code(a.format);
   dattn::DType d;
-  if (dtype == "fp32" && dt.kind() == 'f' && dt.itemsize() == 4) {
+  if (dtype == "fp32" && code == 'f' && a.itemsize == 4) {
     d = dattn::DType::f32;
-  } else if (dtype == "fp16" && dt.kind() == 'f' && dt.itemsize() == 2) {
+  } else if (dtype == "fp16" && code == 'e' && a.itemsize == 2) {
     d = dattn::DType::f16;
-  } else if (dtype == "bf16" && (dt.kind() == 'u' || dt.kind() == 'i') && dt.itemsize() == 2) {
+  } else if (dtype == "bf16" && (code == 'h' || code == 'H') && a.itemsize == 2) {
     d = dattn::DType::bf16;
   } else {
-    DATTN_THROW("invalid ", name,
-                " dtype = ", py::str(static_cast<const py::handle&>(dt)).cast<std::string>(), " (",
-                dtype, "): expected float32, float16 or bfloat16");
+    DATTN_THROW("invalid ", name, " element format = '", a.format, "' (", dtype,
+                "): expected float32, float16 or bfloat16");
   }
-  DATTN_CHECK_ARG(a.ndim() == ndim, cat(name, " ndim"), a.ndim(),
+  DATTN_CHECK_ARG(a.ndim == ndim, cat(name, " ndim"), a.ndim,
                   ndim == 4 ? "4 dimensions [batch, seq, heads, head_dim]" : cat(ndim));
-  DATTN_CHECK_ARG(a.flags() & py::array::c_style, cat(name, " layout"), "not C-contiguous",
+  DATTN_CHECK_ARG(c_contiguous(a), cat(name, " layout"), "not C-contiguous",
                   "a C-contiguous array");
-  void* data = const_cast<void*>(a.data());
-  if (ndim == 3) return dattn::Tensor::wrap(data, {a.shape(0), a.shape(1), a.shape(2)}, d);
-  return dattn::Tensor::wrap(data, {a.shape(0), a.shape(1), a.shape(2), a.shape(3)}, d);
-}
-
-// A numpy float32 array over an fp32 result tensor, sharing its storage (no copy).
-py::array to_numpy(dattn::Tensor t) {
-  if (t.dtype() != dattn::DType::f32)
-    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
-  std::vector<py::ssize_t> shape, strides;
-  py::ssize_t stride = sizeof(float);
-  for (int d = t.dim() - 1; d >= 0; --d) {
-    shape.insert(shape.begin(), t.size(d));
-    strides.insert(strides.begin(), stride);
-    stride *= t.size(d);
-  }
-  auto* owner = new dattn::Tensor(std::move(t));
-  py::capsule free_when_done(owner, [](void* p) { delete static_cast<dattn::Tensor*>(p); });
-  return py::array(py::dtype::of<float>(), shape, strides, owner->data(), free_when_done);
+  if (ndim == 3) return dattn::Tensor::wrap(a.ptr, {a.shape[0], a.shape[1], a.shape[2]}, d);
+  return dattn::Tensor::wrap(a.ptr, {a.shape[0], a.shape[1], a.shape[2], a.shape[3]}, d);
 }
 
 // ---------------------------------------------------------------- options
@@ -293,7 +345,7 @@ py::tuple attention_forward(const py::tuple& q, const py::tuple& k, const py::tu
     py::gil_scoped_release release;
     r = dattn::attention(*d.rt, d.q, d.k, d.v, d.spec, d.layout, d.strategy);
   }
-  return py::make_tuple(to_numpy(std::move(r.out)), to_numpy(std::move(r.lse)));
+  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
 }
 
 py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
@@ -311,8 +363,8 @@ py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::t
     py::gil_scoped_release release;
     g = dattn::attention_backward(*d.rt, d.q, d.k, d.v, fwd, tdout, d.spec, d.layout, d.strategy);
   }
-  return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                        to_numpy(std::move(g.dv)));
+  return py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
+                        to_buffer(std::move(g.dv)));
 }
 
 py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
@@ -325,7 +377,7 @@ py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const 
     py::gil_scoped_release release;
     r = dattn::attention_local(tq, tk, tv, spec);
   }
-  return py::make_tuple(to_numpy(std::move(r.out)), to_numpy(std::move(r.lse)));
+  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
 }
 
 py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
@@ -341,31 +393,33 @@ py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const
     py::gil_scoped_release release;
     g = dattn::attention_local_backward(tq, tk, tv, fwd, tdout, spec);
   }
-  return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)),
-                        to_numpy(std::move(g.dv)));
+  return py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
+                        to_buffer(std::move(g.dv)));
 }
 
-py::array_t<int64_t> layout_positions(const std::string& kind, int64_t global_seq, int rank,
-                                      int world, int64_t stripe_block,
-                                      const std::vector<int64_t>& cu_seqlens) {
+Buffer layout_positions(const std::string& kind, int64_t global_seq, int rank, int world,
+                        int64_t stripe_block, const std::vector<int64_t>& cu_seqlens) {
   DATTN_CHECK_ARG(world >= 1, "world", world, ">= 1");
   DATTN_CHECK_ARG(rank >= 0 && rank < world, "rank", rank, cat("0 to ", world - 1));
   const dattn::Layout l = make_layout(kind, global_seq, world, stripe_block, cu_seqlens);
-  py::array_t<int64_t> pos(l.local_len(rank));
-  int64_t* p = pos.mutable_data();
+  std::vector<int64_t> pos(size_t(l.local_len(rank)));
   for (const dattn::Run& run : l.runs(rank))
     for (int64_t i = 0; i < run.length; ++i)
-      p[run.local_begin + i] = run.position(i);
-  return pos;
+      pos[size_t(run.local_begin + i)] = run.position(i);
+  return to_buffer(std::move(pos));
 }
 
-// Sums a float64 array over every rank, in place.
-void allreduce_sum(py::array_t<double, py::array::c_style> a) {
+// Sums a C-contiguous float64 buffer over every rank, in place.
+void allreduce_sum(const py::buffer& buffer) {
   require_mpi();
-  double* data = a.mutable_data();
-  const auto n = a.size();
+  const py::buffer_info a = buffer.request(true);
+  if (format_code(a.format) != 'd' || a.itemsize != 8 || !c_contiguous(a))
+    DATTN_THROW_KIND(dattn::ErrorKind::internal,
+                     "internal error: allreduce_sum takes a C-contiguous float64 array");
+  DATTN_CHECK_ARG(a.size <= INT_MAX, "allreduce_sum size", a.size, cat("<= ", INT_MAX));
   py::gil_scoped_release release;
-  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data, int(n), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  DATTN_MPI_CHECK(
+      MPI_Allreduce(MPI_IN_PLACE, a.ptr, int(a.size), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
 }
 
 // ---------------------------------------------------------------- exceptions
@@ -412,6 +466,9 @@ void add_error_classes(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dattn's compiled core; use the dattn package, not this module.";
+  py::class_<Buffer>(m, "Buffer", py::buffer_protocol(),
+                     "A result's storage; np.asarray(b) views it without a copy.")
+      .def_buffer(&buffer_info);
   add_error_classes(m);
   py::register_exception_translator([](std::exception_ptr p) {
     try {

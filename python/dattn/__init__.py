@@ -24,7 +24,16 @@ import atexit
 
 import numpy as np
 
-from . import _C
+# torch before the extension: both need libnccl.so.2 and libcudart (the extension through the
+# library's CUDA backend), and a process loads one library of each name. PyPI's torch needs its
+# own, newer NCCL (ncclCommResume is missing from the toolkit's), so its copies must be the ones
+# loaded; NCCL and the CUDA runtime keep their ABI within a major version, so ours work with them.
+try:
+    import torch
+except ImportError:  # numpy-only use
+    torch = None
+
+from . import _C  # noqa: E402 - after torch, see above
 
 # TimeoutError is left out of __all__: a star import would hide the builtin of that name.
 __all__ = [
@@ -51,10 +60,6 @@ CUDAError = _C.CUDAError
 NCCLError = _C.NCCLError
 InternalError = _C.InternalError
 
-try:
-    import torch
-except ImportError:  # numpy-only use
-    torch = None
 
 
 # ---------------------------------------------------------------- arrays in and out
@@ -121,10 +126,18 @@ def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", str
     return o
 
 
-def _result(arrays, like_torch):
-    if like_torch:
-        return tuple(torch.from_numpy(a) for a in arrays)
-    return tuple(arrays)
+def _array(buffer):
+    """A numpy array over a result's storage (the extension's Buffer), without a copy."""
+    return np.asarray(buffer)
+
+
+def _tensor(buffer):
+    """A torch tensor over a result's storage, without a copy."""
+    return torch.from_numpy(np.asarray(buffer))
+
+
+def _result(buffers, like_torch):
+    return tuple(_tensor(b) if like_torch else _array(b) for b in buffers)
 
 
 # ---------------------------------------------------------------- autograd
@@ -139,13 +152,13 @@ class _Call:
     def forward(self, q, k, v):
         out, lse = self.forward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                    self.options)
-        return torch.from_numpy(out), torch.from_numpy(lse)
+        return _tensor(out), _tensor(lse)
 
     def backward(self, q, k, v, out, lse, dout):
         dq, dk, dv = self.backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),
                                       _as_array(dout, "dout"), self.options)
-        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv)
+        return _tensor(dq), _tensor(dk), _tensor(dv)
 
 
 if torch is not None:
@@ -181,7 +194,8 @@ def _run(forward, backward, q, k, v, options, return_lse):
         else:
             out, lse = call.forward(q, k, v)
     else:
-        out, lse = forward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"), options)
+        out, lse = _result(forward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
+                                   options), False)
     return (out, lse) if return_lse else out
 
 
@@ -247,9 +261,10 @@ def layout_positions(kind, global_seq, rank=None, world=None, stripe_block=1, cu
     (blocks of stripe_block tokens) or varlen (cu_seqlens; global_seq must be cu_seqlens[-1]).
     Shard a global tensor x [B, S, ...] with x[:, layout_positions(...)]."""
     cu = [] if cu_seqlens is None else [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
-    return _C.layout_positions(str(kind), int(global_seq), _C.rank() if rank is None else int(rank),
-                               _C.world_size() if world is None else int(world), int(stripe_block),
-                               cu)
+    return _array(_C.layout_positions(str(kind), int(global_seq),
+                                      _C.rank() if rank is None else int(rank),
+                                      _C.world_size() if world is None else int(world),
+                                      int(stripe_block), cu))
 
 
 def allreduce_sum(x):

@@ -303,8 +303,10 @@ uint64_t hash_string(uint64_t h, const std::string& s) {
 // Checks and converts a distributed call's arguments so that the ranks agree: a bad argument on
 // one rank raises the same dattn.InvalidArgumentError on every rank instead of leaving the others
 // waiting. The global sequence is the sum of the ranks' shard lengths (one small allreduce); the
-// attention call's own check then says which rank holds the wrong number of tokens. `more`
-// converts the backward's extra arguments inside the same agreement.
+// attention call's own check then says which rank holds the wrong number of tokens. The layout
+// is then made from what every rank has agreed on (the options, in the hash, and that sum), so
+// it succeeds or fails alike everywhere without another agreement. `more` converts the
+// backward's extra arguments inside the same agreement.
 template <typename More>
 Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k,
                         const py::tuple& v, More&& more) {
@@ -315,6 +317,9 @@ Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k
   Distributed d;
   uint64_t h = hash_string(hash_string(dattn::kHashSeed, o.layout), o.strategy);
   h = dattn::hash_mix(h, uint64_t(o.ulysses_degree));
+  h = dattn::hash_mix(h, uint64_t(o.stripe_block));
+  for (int64_t c : o.cu_seqlens)
+    h = dattn::hash_mix(h, uint64_t(c));
   dattn::agree_on_validation(rt->cp(), "dattn.attention arguments", h, [&] {
     d.q = as_tensor(q, "q");
     d.k = as_tensor(k, "k");
@@ -327,9 +332,7 @@ Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k
   });
   uint64_t local = uint64_t(d.q.size(1)), global = 0;
   rt->cp().allreduce_u64(&local, &global, 1, dattn::ReduceOp::sum);
-  dattn::agree_on_validation(rt->cp(), "dattn.attention layout", h, [&] {
-    d.layout = make_layout(o.layout, int64_t(global), rt->cp_size(), o.stripe_block, o.cu_seqlens);
-  });
+  d.layout = make_layout(o.layout, int64_t(global), rt->cp_size(), o.stripe_block, o.cu_seqlens);
   if (d.strategy == dattn::Strategy::hybrid) rt = &runtime(o.ulysses_degree);
   d.rt = rt;
   return d;
@@ -395,6 +398,34 @@ py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const
   }
   return py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
                         to_buffer(std::move(g.dv)));
+}
+
+// The C++ side of the binding-overhead benchmark (examples/python/binding_overhead.py): seconds per
+// call of the library's forward on these arguments, converted once and called `iters` times in a
+// loop with no Python in it (distributed: dattn::attention through the module's Runtime; local:
+// dattn::attention_local). The benchmark subtracts it from the per-call time of dattn.attention.
+double time_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                    const py::dict& options, int iters, bool local) {
+  DATTN_CHECK_ARG(iters >= 1, "iters", iters, ">= 1");
+  const Options o = options_from(options);
+  Distributed d;
+  if (local) {
+    d.q = as_tensor(q, "q");
+    d.k = as_tensor(k, "k");
+    d.v = as_tensor(v, "v");
+    d.spec = make_spec(o, d.q, d.k, d.v);
+  } else {
+    d = distributed(o, q, k, v, [] {});
+  }
+  py::gil_scoped_release release;
+  const double start = MPI_Wtime();
+  for (int i = 0; i < iters; ++i) {
+    if (local)
+      (void)dattn::attention_local(d.q, d.k, d.v, d.spec);
+    else
+      (void)dattn::attention(*d.rt, d.q, d.k, d.v, d.spec, d.layout, d.strategy);
+  }
+  return (MPI_Wtime() - start) / iters;
 }
 
 Buffer layout_positions(const std::string& kind, int64_t global_seq, int rank, int world,
@@ -505,5 +536,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_local_forward", &attention_local_forward);
   m.def("attention_local_backward", &attention_local_backward);
   m.def("layout_positions", &layout_positions);
+  m.def("time_forward", &time_forward);
   m.def("allreduce_sum", &allreduce_sum);
 }

@@ -9,6 +9,7 @@ Every rank builds the same global tensors from a fixed seed and compares its sha
 dattn.layout_positions). A failure on any rank prints the reason and aborts the job (no rank
 hangs). Exits 77 (skipped) when numpy or torch cannot be imported.
   PYTHONPATH=build/python bash launch/mpirun.sh -n 4 /usr/bin/python3 tests/python/test_gradients.py
+With --installed, it also checks that dattn was imported from a site-packages (pip install .).
 """
 
 import sys
@@ -66,7 +67,8 @@ def reference(q, k, v, vis, scale):
 
 def rel_err(got, ref):
     """max |got - ref| / max |ref|"""
-    return float((got.double() - ref).abs().max() / max(ref.abs().max().item(), 1e-30))
+    got, ref = got.detach().double(), ref.detach()
+    return float((got - ref).abs().max() / max(ref.abs().max().item(), 1e-30))
 
 
 def all_max(x):
@@ -264,6 +266,12 @@ def check_api():
 
 def main():
     t0 = time.time()
+    if RANK == 0:
+        print(f"test_gradients: dattn from {dattn.__file__}, torch {torch.__version__}, "
+              f"numpy {np.__version__}")
+    # --installed: the package must be a pip-installed one (CI's check of `pip install .`).
+    if "--installed" in sys.argv[1:] and "site-packages" not in dattn.__file__:
+        raise AssertionError(f"--installed, but dattn comes from {dattn.__file__}")
     worst = {}
     n = 0
     for cfg in configurations():

@@ -1,4 +1,4 @@
-"""dattn's attention as torch custom operators, so that torch.compile traces through it.
+"""dattn's attention as torch custom operators, so that torch.compile captures it in a graph.
 
 With torch >= 2.4 importing dattn registers four operators through torch.library:
 
@@ -12,16 +12,18 @@ With torch >= 2.4 importing dattn registers four operators through torch.library
 
 The options are the extension's, flattened into types a schema holds: softmax_scale 0.0 means
 1/sqrt(head_dim), window_left = window_right = -1 no window, cu_seqlens [] one document. Each
-forward has a fake (meta) implementation for the shapes and an autograd formula calling its
-backward operator, so a model calling dattn.attention compiles with
+operator has a fake implementation (the shapes and dtypes of its results), and each forward an
+autograd formula calling its backward operator, so a model calling dattn.attention compiles with
 torch.compile(fullgraph=True) without a graph break, and torch.library.opcheck passes.
 dattn.attention and dattn.attention_local route torch tensors here when REGISTERED is True; with
 an older torch (Debian's 1.13 has no torch.library.custom_op) nothing is registered and they keep
 their torch.autograd.Function.
 
 The operators are collectives like dattn.attention: every rank calls them in the same order. A
-compiled graph holds them as opaque calls (never traced into or reordered differently on
-different ranks, as every rank compiles the same program).
+compiled graph holds them as opaque calls, and every rank compiles the same program, so the ranks
+still make the same calls. Under torch.compile the options are checked once, when the graph is
+traced: they must be Python values (cu_seqlens a list, not a tensor), and a bad one raises torch's
+compile error carrying dattn's message.
 
     PYTHONPATH=build/python bash launch/mpirun.sh -n 2 /work/venv/bin/python \\
         tests/python/test_torch_compile.py
@@ -56,11 +58,12 @@ OPTION_NAMES = ("causal", "softmax_scale", "window_left", "window_right", "cu_se
 def op_options(options):
     """The operators' option arguments (a tuple in OPTION_NAMES order) from the options dict that
     dattn's _options() builds; what the dict leaves out gets the extension's default."""
-    return (bool(options.get("causal", False)), float(options.get("softmax_scale", 0.0)),
-            int(options.get("window_left", -1)), int(options.get("window_right", -1)),
-            [int(c) for c in options.get("cu_seqlens", [])], str(options.get("layout", "contiguous")),
-            str(options.get("strategy", "ring")), int(options.get("ulysses_degree", 1)),
-            int(options.get("stripe_block", 1)))
+    o = options
+    return (bool(o.get("causal", False)), float(o.get("softmax_scale", 0.0)),
+            int(o.get("window_left", -1)), int(o.get("window_right", -1)),
+            [int(c) for c in o.get("cu_seqlens", [])], str(o.get("layout", "contiguous")),
+            str(o.get("strategy", "ring")), int(o.get("ulysses_degree", 1)),
+            int(o.get("stripe_block", 1)))
 
 
 def _extension_options(args):

@@ -215,6 +215,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", st
     `ulysses_degree` ranks, ring across them). Returns out [B, S_r, H, Dv] float32 and, with
     return_lse, lse [B, H, S_r] (natural log). Torch inputs that require grad get gradients
     through the distributed backward."""
+    if _torch_ops.applies(q, k, v):
+        return _torch_ops.attention(False, q, k, v, return_lse, causal, softmax_scale, window,
+                                    cu_seqlens, layout, strategy, ulysses_degree, stripe_block)
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
                        ulysses_degree, stripe_block)
     return _run(_C.attention_forward, _C.attention_backward, q, k, v, options, return_lse)
@@ -239,6 +242,9 @@ def attention_local(q, k, v, causal=False, softmax_scale=None, window=None, cu_s
                     return_lse=False):
     """Attention of this process alone over whole tensors (no communication, the same kernels):
     the single-process counterpart of attention(), with autograd for torch tensors."""
+    if _torch_ops.applies(q, k, v):
+        return _torch_ops.attention(True, q, k, v, return_lse, causal, softmax_scale, window,
+                                    cu_seqlens)
     options = _options(causal, softmax_scale, window, cu_seqlens)
     return _run(_C.attention_local_forward, _C.attention_local_backward, q, k, v, options,
                 return_lse)
@@ -281,3 +287,8 @@ def allreduce_sum(x):
     a = np.array([float(x)], dtype=np.float64)
     _C.allreduce_sum(a)
     return float(a[0])
+
+
+# torch custom operators (torch >= 2.4) behind attention() and attention_local(); last, as
+# torch_ops uses the conversions above.
+from . import torch_ops as _torch_ops  # noqa: E402

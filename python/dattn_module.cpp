@@ -178,6 +178,16 @@ int64_t int_value(const py::handle& value, const char* name) {
   return int64_t(v);
 }
 
+// An integer for a configuration hash, before the agreed validation converts it: -1 for
+// anything that is not one (that validation then names it).
+int64_t hash_int(const py::handle& value) {
+  try {
+    return int_value(value, "");
+  } catch (const dattn::Error&) {
+    return -1;
+  }
+}
+
 int int_option(const py::handle& value, const char* name) {
   const int64_t v = int_value(value, name);
   DATTN_CHECK_ARG(v >= INT_MIN && v <= INT_MAX, name, v, "a value within int");
@@ -195,7 +205,7 @@ double float_option(const py::handle& value, const char* name) {
 
 bool bool_option(const py::handle& value, const char* name) {
   if (PyBool_Check(value.ptr())) return value.ptr() == Py_True;
-  const int64_t v = int_value(value, name);
+  const int64_t v = hash_int(value);  // 0 and 1 (and numpy's booleans) too
   DATTN_CHECK_ARG(v == 0 || v == 1, name, repr_of(value), "True or False");
   return v == 1;
 }
@@ -654,7 +664,11 @@ std::shared_ptr<CacheHandle> make_cache(const py::object& heads_q, const py::obj
   c->runtime = handle_of(runtime);
   dattn::Runtime& rt = use(*c->runtime);
   const Options o = options_from(options);
-  const uint64_t h = hash_string(hash_string(dattn::kHashSeed, dtype), placement);
+  // Every rank must make its cache alike, capacity included (append checks every rank's share
+  // against this rank's capacity).
+  uint64_t h = hash_string(hash_string(dattn::kHashSeed, dtype), placement);
+  for (const py::object* x : {&heads_q, &heads_kv, &head_dim, &head_dim_v, &batch, &capacity})
+    h = dattn::hash_mix(h, uint64_t(hash_int(*x)));
   dattn::agree_on_validation(rt.cp(), "dattn.KvCache arguments", h, [&] {
     const int64_t hq = int_value(heads_q, "heads_q"), hkv = int_value(heads_kv, "heads_kv"),
                   d = int_value(head_dim, "head_dim");
@@ -811,6 +825,19 @@ py::object star_decode(const py::tuple& q, const CacheHandle& c, const py::objec
 
 // ---------------------------------------------------------------- MLA
 
+// t has `shape` (-1: any size); the message names the expected shape.
+void check_shape(const dattn::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  bool ok = t.dim() == int(shape.size());
+  std::string want = "[";
+  int d = 0;
+  for (int64_t n : shape) {
+    ok = ok && (n < 0 || t.size(d) == n);
+    want += cat(d > 0 ? ", " : "", n < 0 ? std::string("any") : std::to_string(n));
+    ++d;
+  }
+  DATTN_CHECK_ARG(ok, cat(name, " shape"), t.shape_str(), want + "]");
+}
+
 dattn::MlaParallel parse_mla_method(const std::string& name) {
   if (name == "head_split") return dattn::MlaParallel::head_split;
   if (name == "tpla") return dattn::MlaParallel::tpla;
@@ -874,17 +901,24 @@ Buffer mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tupl
                                                                              {&w.w_uv, "w_uv"}})
       DATTN_CHECK_ARG(t->dtype() == dattn::DType::f32, cat(name, " dtype"),
                       dattn::dtype_name(t->dtype()), "fp32 (MLA tensors are float32)");
-    cfg.heads = qn.size(2);
-    cfg.qk_nope = qn.size(3);
-    cfg.rope = qp.size(3);
-    cfg.latent = c.size(2);
+    // The configuration is the weights' and the cache's; the queries must match it.
+    cfg.heads = w.w_uk.size(0);
+    cfg.qk_nope = w.w_uk.size(1);
+    cfg.latent = w.w_uk.size(2);
     cfg.v_head = w.w_uv.size(1);
+    cfg.rope = kp.size(2);
+    const int64_t B = c.size(0), S = c.size(1), Sq = qn.size(1);
+    check_shape(w.w_uv, "w_uv", {cfg.heads, -1, cfg.latent});
+    check_shape(c, "c_kv", {-1, -1, cfg.latent});
+    check_shape(kp, "k_pe", {B, S, -1});
+    check_shape(qn, "q_nope", {B, -1, cfg.heads, cfg.qk_nope});
+    check_shape(qp, "q_pe", {B, Sq, cfg.heads, cfg.rope});
     DATTN_CHECK_ARG(o.softmax_scale >= 0, "softmax_scale", o.softmax_scale, "> 0 (or None)");
     cfg.softmax_scale = float(o.softmax_scale);
     cfg.validate();
     mask.validate();
     DATTN_CHECK_ARG(!mask.documents, "mask", mask.str(), "a band mask (causal, window or none)");
-    pos0 = q_pos0.is_none() ? c.size(1) - qn.size(1) : int_value(q_pos0, "q_pos0");
+    pos0 = q_pos0.is_none() ? S - Sq : int_value(q_pos0, "q_pos0");
     DATTN_CHECK_ARG(pos0 >= 0, "q_pos0", pos0,
                     ">= 0 (None: the queries are the cache's last S_q tokens)");
     dattn::Tensor cal;

@@ -24,8 +24,9 @@ communicator) for the options of dattn::RuntimeOptions. Every distributed call t
 Tensors are numpy arrays (float32, float16) or CPU torch tensors (float32, bfloat16, float16);
 attention tensors are bshd ([batch, seq, heads, head_dim]). Results are float32, numpy for
 numpy inputs and torch for torch inputs, over the library's own storage (no copy). An input
-that is C-contiguous is read where it lies (no copy); attention and attention_local copy a
-non-contiguous one, every other call refuses it (InvalidArgumentError naming it).
+that is C-contiguous is read where it lies (no copy); attention, attention_local and their
+backward calls copy a non-contiguous one, every other call refuses it (InvalidArgumentError
+naming it).
 
 Errors raise a subclass of dattn.Error with the library's message (it names the parameter and the
 rank) and its kind as e.kind; each also derives from the builtin a caller expects:

@@ -127,14 +127,15 @@ std::shared_ptr<RuntimeHandle> default_handle() {
 }
 
 // The default runtime with Ulysses degree `ulysses`, recreated (collectively) when its degree
-// differs; holders of the default handle see the new one.
+// differs; holders of the default handle see the new one. A degree that Runtime::from_mpi
+// refuses leaves the old one in place.
 dattn::Runtime& default_runtime(int ulysses) {
   std::shared_ptr<RuntimeHandle> h = default_handle();
   if (get(*h).ulysses_degree() != ulysses) {
-    h->rt.reset();
     dattn::RuntimeOptions o;
     o.ulysses = ulysses;
-    h->rt = std::make_unique<dattn::Runtime>(dattn::Runtime::from_mpi(MPI_COMM_WORLD, o));
+    auto fresh = std::make_unique<dattn::Runtime>(dattn::Runtime::from_mpi(MPI_COMM_WORLD, o));
+    h->rt = std::move(fresh);
   }
   return use(*h);
 }

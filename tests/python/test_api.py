@@ -371,6 +371,13 @@ def check_runtime():
         raises(lambda: dattn.attention(qa, ka, va, strategy="hybrid", ulysses_degree=1,
                                        runtime=u), "ulysses_degree")
 
+    # The default runtime takes a hybrid call's ulysses_degree; one it refuses leaves it usable.
+    qa = randn(gen, B, 3, 2 * P, D)
+    ka = randn(gen, B, 3, P, D)
+    raises(lambda: dattn.attention(qa, ka, ka, strategy="hybrid", ulysses_degree=P + 1),
+           "ulysses")
+    assert dattn.attention(qa, ka, ka).shape == qa.shape
+
     # Bad options: every rank raises, naming the option.
     raises(lambda: dattn.Runtime(tp=0), "tp")
     raises(lambda: dattn.Runtime(tp=P + 1), "tp")

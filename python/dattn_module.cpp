@@ -1032,6 +1032,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("check_finite", [](RuntimeHandle& h) { return get(h).check_finite(); })
       .def_property_readonly("device", [](RuntimeHandle& h) { return get(h).device().str(); });
   m.def("default_runtime", &default_handle);
+  m.def("omp_max_threads", &omp_get_max_threads,
+        "OpenMP's thread count for this process's next parallel region (tests check that a "
+        "call restores its runtime's).");
   m.def("mpi_library_version", &mpi_library_version);
 
   py::class_<CacheHandle, std::shared_ptr<CacheHandle>>(m, "KvCache",

@@ -331,6 +331,10 @@ def check_runtime():
     c0.prefill(ks, vs, layout="zigzag")
     a, b = dattn.decode(q, c1), dattn.decode(q, c0)
     assert np.abs(a - b).max() <= 1e-6, "threads=1 changed the result"
+    two = dattn.Runtime(threads=2)  # sets OpenMP's count (one per process) to 2
+    assert two.threads == 2 and dattn._C.omp_max_threads() == 2
+    dattn.decode(q, c1)  # runs on `one`, and restores its count
+    assert dattn._C.omp_max_threads() == 1, dattn._C.omp_max_threads()
 
     # check_finite: a NaN on the last rank only raises on every rank, naming the tensor; without
     # the check it reaches the output (ring decode; tree decode turns a NaN query row into an

@@ -23,11 +23,12 @@ die() { echo "dattn setup: error: $*" >&2; exit 1; }
 # clang-format for the format check, clang with its sanitizer and libFuzzer runtimes and its
 # OpenMP (the fuzz build, DATTN_FUZZ), and, for Debian's /usr/bin/python3, matplotlib for the
 # charts of launch/plot.py and what the Python binding (python/) builds and is tested with: its
-# headers, pybind11, numpy and torch (CPU), and venv for launch/pypi_venv.sh.
+# headers, pybind11, numpy, torch (CPU) and mpi4py (built on Debian's Open MPI, dattn's: the
+# tests of dattn.from_comm), and venv for launch/pypi_venv.sh.
 packages=(cmake g++ make ccache libopenmpi-dev openmpi-bin libboost-program-options-dev
           nlohmann-json3-dev libboost-context-dev libgtest-dev libgmock-dev libopenblas-dev
           libopenblas0-pthread libdnnl-dev clang-format clang libclang-rt-dev libomp-dev
-          python3-matplotlib python3-dev python3-venv pybind11-dev python3-numpy python3-torch)
+          python3-matplotlib python3-dev python3-venv pybind11-dev python3-numpy python3-torch python3-mpi4py)
 # Thrust (kernels/movement, OMP backend): the CUDA toolkit's CCCL when it is there, else Debian's.
 if [[ ! -f /usr/local/cuda/include/cccl/thrust/version.h ]]; then
   packages+=(libthrust-dev libcub-dev)

@@ -1,8 +1,11 @@
 // dattn._C, the pybind11 extension under the Python package python/dattn: MPI set-up and
-// tear-down, one lazily created Runtime per process, attention forward/backward (distributed
-// and single-process) on numpy arrays, layout positions and a few MPI helpers. The package's
-// __init__.py turns torch tensors into these arrays and back and adds autograd.
+// tear-down, Runtimes (the module's default one over MPI_COMM_WORLD, and those made over any
+// communicator), attention forward/backward (distributed and single-process), the sharded KV
+// cache and decode, star attention, MLA/TPLA decode, layout positions and a few MPI helpers, on
+// arrays that cross by the buffer protocol. The package's __init__.py turns numpy arrays and torch
+// tensors into those and back and adds autograd.
 #include <mpi.h>
+#include <omp.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,12 +14,16 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "collective/mpi_communicator.h"
 #include "src/attention.h"
 #include "src/base/error.h"
+#include "src/decode.h"
+#include "src/mla.h"
+#include "src/star.h"
 #include "src/validate.h"
 
 namespace py = pybind11;
@@ -24,32 +31,35 @@ using dattn::detail::cat;
 
 namespace {
 
-// ---------------------------------------------------------------- MPI and the Runtime
-
-bool mpi_active();
-
-struct ModuleState {
-  bool initialised_mpi = false;  // this module called MPI_Init_thread, so it finalises
-  std::unique_ptr<dattn::Runtime> rt;
-  int rt_ulysses = 0;
-
-  // At process exit without finalize() (or after someone else finalised MPI), freeing the
-  // Runtime's communicators would call MPI after MPI_Finalize: leave them to the exit instead.
-  ~ModuleState() {
-    if (!mpi_active()) (void)rt.release();
-  }
-};
-
-ModuleState& state() {
-  static ModuleState s;
-  return s;
-}
+// ---------------------------------------------------------------- MPI and the Runtimes
 
 bool mpi_active() {
   int initialised = 0, finalised = 0;
   MPI_Initialized(&initialised);
   MPI_Finalized(&finalised);
   return initialised && !finalised;
+}
+
+// A Runtime as the package holds it: dattn.Runtime objects, the caches made over it and the
+// module's default runtime share one. finalize() releases every live one before MPI_Finalize
+// (rt becomes null, and a later call says so). One still alive when MPI is gone (at process exit)
+// is left to the exit: freeing its communicators would call MPI after MPI_Finalize.
+struct RuntimeHandle {
+  std::unique_ptr<dattn::Runtime> rt;
+  ~RuntimeHandle() {
+    if (!mpi_active()) (void)rt.release();
+  }
+};
+
+struct ModuleState {
+  bool initialised_mpi = false;               // this module called MPI_Init_thread, so it finalises
+  std::shared_ptr<RuntimeHandle> default_rt;  // over MPI_COMM_WORLD, made on first use
+  std::vector<std::weak_ptr<RuntimeHandle>> handles;  // every handle made, for finalize()
+};
+
+ModuleState& state() {
+  static ModuleState s;
+  return s;
 }
 
 // MPI with MPI_THREAD_FUNNELED (only the thread that imported dattn calls MPI; the GIL release
@@ -81,27 +91,173 @@ int world_size() {
   return n;
 }
 
-// The process's Runtime over MPI_COMM_WORLD (cp = every rank), recreated when the Ulysses degree
-// changes. Collective when it creates: every rank makes the same calls.
-dattn::Runtime& runtime(int ulysses) {
-  require_mpi();
-  ModuleState& s = state();
-  if (!s.rt || s.rt_ulysses != ulysses) {
-    s.rt.reset();
-    dattn::RuntimeOptions o;
-    o.ulysses = ulysses;
-    s.rt = std::make_unique<dattn::Runtime>(dattn::Runtime::from_mpi(MPI_COMM_WORLD, o));
-    s.rt_ulysses = ulysses;
-  }
-  return *s.rt;
+std::shared_ptr<RuntimeHandle> new_handle(dattn::Runtime rt) {
+  auto h = std::make_shared<RuntimeHandle>();
+  h->rt = std::make_unique<dattn::Runtime>(std::move(rt));
+  auto& live = state().handles;
+  std::erase_if(live, [](const std::weak_ptr<RuntimeHandle>& w) { return w.expired(); });
+  live.push_back(h);
+  return h;
 }
 
-// Releases the Runtime and, when this module initialised MPI, finalises it. Registered with
+// The handle's Runtime for properties (no call runs on it).
+dattn::Runtime& get(RuntimeHandle& h) {
+  require_mpi();
+  if (!h.rt) DATTN_THROW("this dattn.Runtime was released by dattn.finalize()");
+  return *h.rt;
+}
+
+// The handle's Runtime for a call. Its thread count is set again first: OpenMP's is one per
+// process, which the last Runtime made (or used) sets, so each call restores its own.
+dattn::Runtime& use(RuntimeHandle& h) {
+  dattn::Runtime& rt = get(h);
+  omp_set_num_threads(rt.threads());
+  return rt;
+}
+
+// The module's default runtime over MPI_COMM_WORLD (cp = every rank, Ulysses degree 1 until a
+// hybrid call asks for another). Collective when it creates: every rank makes the same calls.
+std::shared_ptr<RuntimeHandle> default_handle() {
+  ModuleState& s = state();
+  if (!s.default_rt) {
+    require_mpi();
+    s.default_rt = new_handle(dattn::Runtime::from_mpi(MPI_COMM_WORLD, {}));
+  }
+  return s.default_rt;
+}
+
+// The default runtime with Ulysses degree `ulysses`, recreated (collectively) when its degree
+// differs; holders of the default handle see the new one. A degree that Runtime::from_mpi
+// refuses leaves the old one in place.
+dattn::Runtime& default_runtime(int ulysses) {
+  std::shared_ptr<RuntimeHandle> h = default_handle();
+  if (get(*h).ulysses_degree() != ulysses) {
+    dattn::RuntimeOptions o;
+    o.ulysses = ulysses;
+    auto fresh = std::make_unique<dattn::Runtime>(dattn::Runtime::from_mpi(MPI_COMM_WORLD, o));
+    h->rt = std::move(fresh);
+  }
+  return use(*h);
+}
+
+// `runtime=` of a call: a dattn.Runtime's handle, or None for the default one.
+std::shared_ptr<RuntimeHandle> handle_of(const py::object& runtime) {
+  if (runtime.is_none()) return default_handle();
+  return runtime.cast<std::shared_ptr<RuntimeHandle>>();
+}
+
+// Releases every Runtime and, when this module initialised MPI, finalises it. Registered with
 // atexit by the package; safe to call twice.
 void finalize() {
   ModuleState& s = state();
-  if (mpi_active()) s.rt.reset();
+  if (mpi_active())
+    for (const auto& w : s.handles)
+      if (auto h = w.lock()) h->rt.reset();
   if (s.initialised_mpi && mpi_active()) MPI_Finalize();
+}
+
+// ---------------------------------------------------------------- Python values
+
+// Option values taken as Python objects and converted here, so that a bad one raises inside an
+// agreed validation (every rank raises) with the parameter's name.
+std::string repr_of(const py::handle& value) {
+  return py::repr(value).cast<std::string>();
+}
+
+int64_t int_value(const py::handle& value, const char* name) {
+  PyObject* index = PyNumber_Index(value.ptr());  // int, numpy integers; not float or str
+  if (index == nullptr) {
+    PyErr_Clear();
+    DATTN_THROW("invalid ", name, " = ", repr_of(value), ": expected an integer");
+  }
+  const long long v = PyLong_AsLongLong(index);
+  Py_DECREF(index);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    DATTN_THROW("invalid ", name, " = ", repr_of(value), ": expected an integer within int64");
+  }
+  return int64_t(v);
+}
+
+// An integer for a configuration hash, before the agreed validation converts it: -1 for
+// anything that is not one (that validation then names it).
+int64_t hash_int(const py::handle& value) {
+  try {
+    return int_value(value, "");
+  } catch (const dattn::Error&) {
+    return -1;
+  }
+}
+
+int int_option(const py::handle& value, const char* name) {
+  const int64_t v = int_value(value, name);
+  DATTN_CHECK_ARG(v >= INT_MIN && v <= INT_MAX, name, v, "a value within int");
+  return int(v);
+}
+
+double float_option(const py::handle& value, const char* name) {
+  const double v = PyFloat_AsDouble(value.ptr());  // float, int, numpy scalars
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    DATTN_THROW("invalid ", name, " = ", repr_of(value), ": expected a number");
+  }
+  return v;
+}
+
+bool bool_option(const py::handle& value, const char* name) {
+  if (PyBool_Check(value.ptr())) return value.ptr() == Py_True;
+  const int64_t v = hash_int(value);  // 0 and 1 (and numpy's booleans) too
+  DATTN_CHECK_ARG(v == 0 || v == 1, name, repr_of(value), "True or False");
+  return v == 1;
+}
+
+// The communicator behind `comm=`: an MPI_Comm read at the address mpi4py gives
+// (MPI._addressof), or MPI_COMM_WORLD for None. Local: a null handle means this rank is not in
+// the group, so there is nobody to agree with.
+MPI_Comm communicator(const py::object& comm_address) {
+  if (comm_address.is_none()) return MPI_COMM_WORLD;
+  const auto address = comm_address.cast<uintptr_t>();
+  DATTN_CHECK_ARG(address != 0, "comm", "a null address", "an mpi4py.MPI.Comm");
+  const MPI_Comm comm = *reinterpret_cast<const MPI_Comm*>(address);
+  DATTN_CHECK_ARG(comm != MPI_COMM_NULL, "comm", "MPI.COMM_NULL (a null or freed communicator)",
+                  "a valid intracommunicator");
+  int inter = 0;
+  DATTN_MPI_CHECK(MPI_Comm_test_inter(comm, &inter));
+  DATTN_CHECK_ARG(!inter, "comm", "an intercommunicator", "an intracommunicator");
+  return comm;
+}
+
+// A Runtime over `comm` with the options of dattn.Runtime. Collective over comm. The options are
+// converted inside an agreement over comm (one more small allreduce on a duplicate), then
+// Runtime::from_mpi checks their values (tp dividing the ranks, ulysses dividing cp, threads
+// >= 0, timeout_s >= 0), on every rank, naming the option.
+std::shared_ptr<RuntimeHandle> make_runtime(const py::object& comm_address, const py::object& tp,
+                                            const py::object& ulysses, const py::object& threads,
+                                            const py::object& check_finite,
+                                            const py::object& timeout_s) {
+  require_mpi();
+  const MPI_Comm comm = communicator(comm_address);
+  dattn::RuntimeOptions o;
+  {
+    dattn::MpiCommunicator group(comm);
+    dattn::agree_on_validation(group, "dattn.Runtime options", dattn::kHashSeed, [&] {
+      o.tp = int_option(tp, "tp");
+      o.ulysses = int_option(ulysses, "ulysses");
+      o.threads = threads.is_none() ? 0 : int_option(threads, "threads");
+      o.check_finite = bool_option(check_finite, "check_finite");
+      o.timeout_s = timeout_s.is_none() ? 0.0 : float_option(timeout_s, "timeout_s");
+      DATTN_CHECK_ARG(timeout_s.is_none() || o.timeout_s > 0, "timeout_s", repr_of(timeout_s),
+                      "> 0 seconds (or None: DATTN_TIMEOUT, else 300)");
+    });
+  }
+  return new_handle(dattn::Runtime::from_mpi(comm, o));
+}
+
+std::string mpi_library_version() {
+  char version[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  DATTN_MPI_CHECK(MPI_Get_library_version(version, &len));
+  return std::string(version, size_t(len));
 }
 
 // ---------------------------------------------------------------- buffers <-> tensors
@@ -176,15 +332,17 @@ bool c_contiguous(const py::buffer_info& a) {
 }
 
 // (buffer, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
-// 16-bit patterns in a uint16/int16 buffer, as numpy has no bfloat16). A view, no copy: the
-// package holds the object for the duration of the call.
-dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
+// 16-bit patterns in a uint16/int16 buffer, as numpy has no bfloat16); anything else is the
+// package's description of what it could not take ("dtype float64: expected ..."). A view, no
+// copy: the package holds the object for the duration of the call. `dims` describes the ndim
+// dimensions for the message ("[batch, seq, heads, head_dim]").
+dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim, const char* dims) {
   if (t.size() != 2)
     DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: ", name,
                      " is not an (array, dtype) pair");
   const std::string dtype = t[1].cast<std::string>();
   if (dtype != "fp32" && dtype != "fp16" && dtype != "bf16")  // what the package could not take
-    DATTN_THROW("invalid ", name, ": ", dtype, ": expected float32, float16 or bfloat16");
+    DATTN_THROW("invalid ", name, ": ", dtype);
   const py::buffer_info a = t[0].cast<py::buffer>().request();
   const char code = format_code(a.format);
   dattn::DType d;
@@ -198,12 +356,27 @@ dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim = 4) {
     DATTN_THROW("invalid ", name, " element format = '", a.format, "' (", dtype,
                 "): expected float32, float16 or bfloat16");
   }
-  DATTN_CHECK_ARG(a.ndim == ndim, cat(name, " ndim"), a.ndim,
-                  ndim == 4 ? "4 dimensions [batch, seq, heads, head_dim]" : cat(ndim));
+  DATTN_CHECK_ARG(a.ndim == ndim, cat(name, " ndim"), a.ndim, cat(ndim, " dimensions ", dims));
   DATTN_CHECK_ARG(c_contiguous(a), cat(name, " layout"), "not C-contiguous",
-                  "a C-contiguous array");
-  if (ndim == 3) return dattn::Tensor::wrap(a.ptr, {a.shape[0], a.shape[1], a.shape[2]}, d);
-  return dattn::Tensor::wrap(a.ptr, {a.shape[0], a.shape[1], a.shape[2], a.shape[3]}, d);
+                  "a C-contiguous array (np.ascontiguousarray(x) or x.contiguous())");
+  const auto& n = a.shape;
+  if (ndim == 2) return dattn::Tensor::wrap(a.ptr, {n[0], n[1]}, d);
+  if (ndim == 3) return dattn::Tensor::wrap(a.ptr, {n[0], n[1], n[2]}, d);
+  return dattn::Tensor::wrap(a.ptr, {n[0], n[1], n[2], n[3]}, d);
+}
+
+dattn::Tensor as_bshd(const py::tuple& t, const char* name) {
+  return as_tensor(t, name, 4, "[batch, seq, heads, head_dim]");
+}
+
+// Dimension d of an (array, dtype) pair's array without raising (-1 where there is none): what
+// goes into a configuration hash before the agreed validation has converted the array.
+int64_t raw_dim(const py::tuple& t, size_t d) {
+  if (t.size() != 2) return -1;
+  const py::object shape = py::getattr(t[0], "shape", py::none());
+  if (!py::isinstance<py::tuple>(shape)) return -1;
+  const auto s = shape.cast<py::tuple>();
+  return d < s.size() ? s[d].cast<int64_t>() : -1;
 }
 
 // ---------------------------------------------------------------- options
@@ -215,10 +388,11 @@ struct Options {
   int64_t window_left = -1;  // -1 both: no window
   int64_t window_right = -1;
   std::vector<int64_t> cu_seqlens;    // empty: one document
-  std::string layout = "contiguous";  // contiguous, zigzag, striped, varlen
+  std::string layout = "contiguous";  // contiguous, zigzag, striped, varlen, blocks
   std::string strategy = "ring";      // ring, ulysses, hybrid
-  int ulysses_degree = 1;             // hybrid
+  int ulysses_degree = 0;             // hybrid; 0: not given (a dattn.Runtime's own degree)
   int64_t stripe_block = 1;           // striped
+  int64_t block = 0;                  // blocks: tokens per block
 };
 
 Options options_from(const py::dict& d) {
@@ -243,35 +417,49 @@ Options options_from(const py::dict& d) {
       o.ulysses_degree = value.cast<int>();
     else if (k == "stripe_block")
       o.stripe_block = value.cast<int64_t>();
+    else if (k == "block")
+      o.block = value.cast<int64_t>();
     else
       DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: unknown option '", k, "'");
   }
   return o;
 }
 
-dattn::AttnSpec make_spec(const Options& o, const dattn::Tensor& q, const dattn::Tensor& k,
-                          const dattn::Tensor& v) {
+dattn::Mask make_mask(const Options& o) {
+  dattn::Mask mask;
+  if (!o.cu_seqlens.empty())
+    mask = dattn::Mask::document(o.cu_seqlens, o.causal);
+  else
+    mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
+  if (o.window_left >= 0 || o.window_right >= 0) {
+    mask.left = o.window_left;
+    mask.right = o.window_right;
+  }
+  return mask;
+}
+
+dattn::AttnSpec make_spec(const Options& o, int64_t heads_q, int64_t heads_kv, int64_t head_dim,
+                          int64_t head_dim_v) {
   dattn::AttnSpec spec;
-  spec.heads_q = q.size(2);
-  spec.heads_kv = k.size(2);
-  spec.head_dim = q.size(3);
-  spec.head_dim_v = v.size(3);
+  spec.heads_q = heads_q;
+  spec.heads_kv = heads_kv;
+  spec.head_dim = head_dim;
+  spec.head_dim_v = head_dim_v;
   DATTN_CHECK_ARG(o.softmax_scale >= 0, "softmax_scale", o.softmax_scale, "> 0 (or None)");
   spec.softmax_scale = float(o.softmax_scale);
-  if (!o.cu_seqlens.empty())
-    spec.mask = dattn::Mask::document(o.cu_seqlens, o.causal);
-  else
-    spec.mask = o.causal ? dattn::Mask::causal() : dattn::Mask::none();
-  if (o.window_left >= 0 || o.window_right >= 0) {
-    spec.mask.left = o.window_left;
-    spec.mask.right = o.window_right;
-  }
+  spec.mask = make_mask(o);
   spec.validate();
   return spec;
 }
 
+dattn::AttnSpec make_spec(const Options& o, const dattn::Tensor& q, const dattn::Tensor& k,
+                          const dattn::Tensor& v) {
+  return make_spec(o, q.size(2), k.size(2), q.size(3), v.size(3));
+}
+
 dattn::Layout make_layout(const std::string& kind, int64_t global_seq, int ranks,
-                          int64_t stripe_block, const std::vector<int64_t>& cu_seqlens) {
+                          int64_t stripe_block, const std::vector<int64_t>& cu_seqlens,
+                          int64_t block) {
   if (kind == "contiguous") return dattn::Layout::contiguous(global_seq, ranks);
   if (kind == "zigzag") return dattn::Layout::zigzag(global_seq, ranks);
   if (kind == "striped") return dattn::Layout::striped(global_seq, ranks, stripe_block);
@@ -282,23 +470,40 @@ dattn::Layout make_layout(const std::string& kind, int64_t global_seq, int ranks
                     cat(cu_seqlens.back(), " (cu_seqlens[-1]) for layout 'varlen'"));
     return dattn::Layout::varlen(cu_seqlens, ranks);
   }
-  DATTN_THROW("invalid layout = '", kind, "': expected contiguous, zigzag, striped or varlen");
+  if (kind == "blocks") {
+    DATTN_CHECK_ARG(block >= 1, "block", block, ">= 1 tokens per block for layout 'blocks'");
+    return dattn::Layout::blocks(global_seq, ranks, block);
+  }
+  DATTN_THROW("invalid layout = '", kind,
+              "': expected contiguous, zigzag, striped, varlen or blocks");
 }
 
-// What one distributed call needs: the runtime, tensors, spec, layout and strategy.
-struct Distributed {
-  dattn::Runtime* rt = nullptr;
-  dattn::Tensor q, k, v;
-  dattn::AttnSpec spec;
-  dattn::Layout layout;
-  dattn::Strategy strategy = dattn::Strategy::ring;
-};
+dattn::Layout make_layout(const Options& o, int64_t global_seq, int ranks) {
+  return make_layout(o.layout, global_seq, ranks, o.stripe_block, o.cu_seqlens, o.block);
+}
 
 uint64_t hash_string(uint64_t h, const std::string& s) {
   for (char c : s)
     h = dattn::hash_mix(h, uint64_t(uint8_t(c)));
   return h;
 }
+
+// The global sequence of a sharded call: the sum over the cp ranks of their shard lengths.
+int64_t global_length(dattn::Runtime& rt, int64_t local_len) {
+  uint64_t local = uint64_t(local_len), global = 0;
+  rt.cp().allreduce_u64(&local, &global, 1, dattn::ReduceOp::sum);
+  return int64_t(global);
+}
+
+// What one distributed attention call needs: the runtime, tensors, spec, layout and strategy.
+struct Distributed {
+  std::shared_ptr<RuntimeHandle> handle;  // keeps rt alive for the call
+  dattn::Runtime* rt = nullptr;
+  dattn::Tensor q, k, v;
+  dattn::AttnSpec spec;
+  dattn::Layout layout;
+  dattn::Strategy strategy = dattn::Strategy::ring;
+};
 
 // Checks and converts a distributed call's arguments so that the ranks agree: a bad argument on
 // one rank raises the same dattn.InvalidArgumentError on every rank instead of leaving the others
@@ -307,59 +512,70 @@ uint64_t hash_string(uint64_t h, const std::string& s) {
 // is then made from what every rank has agreed on (the options, in the hash, and that sum), so
 // it succeeds or fails alike everywhere without another agreement. `more` converts the
 // backward's extra arguments inside the same agreement.
+// runtime: a dattn.Runtime (hybrid runs with its Ulysses degree) or None: the default runtime,
+// whose degree becomes ulysses_degree for a hybrid call (ring and Ulysses do not depend on it, so
+// the checks run over the current one).
 template <typename More>
-Distributed distributed(const Options& o, const py::tuple& q, const py::tuple& k,
-                        const py::tuple& v, More&& more) {
-  // The runtime the checks run over: the current one (ring and Ulysses do not depend on its
-  // Ulysses degree), else a new one of degree 1. Every rank holds the same one.
-  ModuleState& s = state();
-  dattn::Runtime* rt = &runtime(s.rt ? s.rt_ulysses : 1);
+Distributed distributed(const Options& o, const py::object& runtime, const py::tuple& q,
+                        const py::tuple& k, const py::tuple& v, More&& more) {
   Distributed d;
+  const bool given = !runtime.is_none();
+  d.handle = handle_of(runtime);
+  dattn::Runtime* rt = &use(*d.handle);
   uint64_t h = hash_string(hash_string(dattn::kHashSeed, o.layout), o.strategy);
   h = dattn::hash_mix(h, uint64_t(o.ulysses_degree));
   h = dattn::hash_mix(h, uint64_t(o.stripe_block));
+  h = dattn::hash_mix(h, uint64_t(o.block));
   for (int64_t c : o.cu_seqlens)
     h = dattn::hash_mix(h, uint64_t(c));
   dattn::agree_on_validation(rt->cp(), "dattn.attention arguments", h, [&] {
-    d.q = as_tensor(q, "q");
-    d.k = as_tensor(k, "k");
-    d.v = as_tensor(v, "v");
+    d.q = as_bshd(q, "q");
+    d.k = as_bshd(k, "k");
+    d.v = as_bshd(v, "v");
     d.strategy =
         dattn::parse_strategy(o.strategy);  // prefill schedules only: ring, ulysses, hybrid
-    DATTN_CHECK_ARG(o.ulysses_degree >= 1, "ulysses_degree", o.ulysses_degree, ">= 1");
+    if (d.strategy == dattn::Strategy::hybrid && given)
+      DATTN_CHECK_ARG(o.ulysses_degree == 0 || o.ulysses_degree == rt->ulysses_degree(),
+                      "ulysses_degree", o.ulysses_degree,
+                      cat(rt->ulysses_degree(), " (the runtime's ulysses) or None"));
+    else if (d.strategy == dattn::Strategy::hybrid)
+      DATTN_CHECK_ARG(o.ulysses_degree >= 1, "ulysses_degree", o.ulysses_degree, ">= 1");
     d.spec = make_spec(o, d.q, d.k, d.v);
     more();
   });
-  uint64_t local = uint64_t(d.q.size(1)), global = 0;
-  rt->cp().allreduce_u64(&local, &global, 1, dattn::ReduceOp::sum);
-  d.layout = make_layout(o.layout, int64_t(global), rt->cp_size(), o.stripe_block, o.cu_seqlens);
-  if (d.strategy == dattn::Strategy::hybrid) rt = &runtime(o.ulysses_degree);
+  const int64_t global = global_length(*rt, d.q.size(1));
+  d.layout = make_layout(o, global, rt->cp_size());
+  if (d.strategy == dattn::Strategy::hybrid && !given) rt = &default_runtime(o.ulysses_degree);
   d.rt = rt;
   return d;
 }
 
-// ---------------------------------------------------------------- entry points
+py::tuple partial_result(dattn::Partial r) {
+  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
+}
+
+// ---------------------------------------------------------------- attention
 
 py::tuple attention_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
-                            const py::dict& options) {
-  const Distributed d = distributed(options_from(options), q, k, v, [] {});
+                            const py::dict& options, const py::object& runtime) {
+  const Distributed d = distributed(options_from(options), runtime, q, k, v, [] {});
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::attention(*d.rt, d.q, d.k, d.v, d.spec, d.layout, d.strategy);
   }
-  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
+  return partial_result(std::move(r));
 }
 
 py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                              const py::tuple& out, const py::tuple& lse, const py::tuple& dout,
-                             const py::dict& options) {
+                             const py::dict& options, const py::object& runtime) {
   dattn::Partial fwd;
   dattn::Tensor tdout;
-  const Distributed d = distributed(options_from(options), q, k, v, [&] {
-    fwd.out = as_tensor(out, "out");
-    fwd.lse = as_tensor(lse, "lse", 3);
-    tdout = as_tensor(dout, "dout");
+  const Distributed d = distributed(options_from(options), runtime, q, k, v, [&] {
+    fwd.out = as_bshd(out, "out");
+    fwd.lse = as_tensor(lse, "lse", 3, "[batch, heads, seq]");
+    tdout = as_bshd(dout, "dout");
   });
   dattn::Gradients g;
   {
@@ -373,23 +589,23 @@ py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::t
 py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                                   const py::dict& options) {
   const Options o = options_from(options);
-  dattn::Tensor tq = as_tensor(q, "q"), tk = as_tensor(k, "k"), tv = as_tensor(v, "v");
+  dattn::Tensor tq = as_bshd(q, "q"), tk = as_bshd(k, "k"), tv = as_bshd(v, "v");
   const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::attention_local(tq, tk, tv, spec);
   }
-  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
+  return partial_result(std::move(r));
 }
 
 py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                                    const py::tuple& out, const py::tuple& lse,
                                    const py::tuple& dout, const py::dict& options) {
   const Options o = options_from(options);
-  dattn::Tensor tq = as_tensor(q, "q"), tk = as_tensor(k, "k"), tv = as_tensor(v, "v");
-  dattn::Partial fwd{as_tensor(out, "out"), as_tensor(lse, "lse", 3)};
-  dattn::Tensor tdout = as_tensor(dout, "dout");
+  dattn::Tensor tq = as_bshd(q, "q"), tk = as_bshd(k, "k"), tv = as_bshd(v, "v");
+  dattn::Partial fwd{as_bshd(out, "out"), as_tensor(lse, "lse", 3, "[batch, heads, seq]")};
+  dattn::Tensor tdout = as_bshd(dout, "dout");
   const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
   dattn::Gradients g;
   {
@@ -410,12 +626,12 @@ double time_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
   const Options o = options_from(options);
   Distributed d;
   if (local) {
-    d.q = as_tensor(q, "q");
-    d.k = as_tensor(k, "k");
-    d.v = as_tensor(v, "v");
+    d.q = as_bshd(q, "q");
+    d.k = as_bshd(k, "k");
+    d.v = as_bshd(v, "v");
     d.spec = make_spec(o, d.q, d.k, d.v);
   } else {
-    d = distributed(o, q, k, v, [] {});
+    d = distributed(o, py::none(), q, k, v, [] {});
   }
   py::gil_scoped_release release;
   const double start = MPI_Wtime();
@@ -429,15 +645,335 @@ double time_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
 }
 
 Buffer layout_positions(const std::string& kind, int64_t global_seq, int rank, int world,
-                        int64_t stripe_block, const std::vector<int64_t>& cu_seqlens) {
+                        int64_t stripe_block, const std::vector<int64_t>& cu_seqlens,
+                        int64_t block) {
   DATTN_CHECK_ARG(world >= 1, "world", world, ">= 1");
   DATTN_CHECK_ARG(rank >= 0 && rank < world, "rank", rank, cat("0 to ", world - 1));
-  const dattn::Layout l = make_layout(kind, global_seq, world, stripe_block, cu_seqlens);
+  const dattn::Layout l = make_layout(kind, global_seq, world, stripe_block, cu_seqlens, block);
   std::vector<int64_t> pos(size_t(l.local_len(rank)));
   for (const dattn::Run& run : l.runs(rank))
     for (int64_t i = 0; i < run.length; ++i)
       pos[size_t(run.local_begin + i)] = run.position(i);
   return to_buffer(std::move(pos));
+}
+
+// ---------------------------------------------------------------- the KV cache and decode
+
+// A dattn::KvCache over a runtime's cp group (ranks and rank), with the runtime it was made for.
+struct CacheHandle {
+  std::shared_ptr<RuntimeHandle> runtime;
+  std::unique_ptr<dattn::KvCache> cache;
+
+  dattn::KvCache& get() const {
+    if (!cache) DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: an empty KvCache");
+    return *cache;
+  }
+};
+
+dattn::DType parse_dtype(const std::string& code, const char* name) {
+  if (code == "fp32") return dattn::DType::f32;
+  if (code == "fp16") return dattn::DType::f16;
+  if (code == "bf16") return dattn::DType::bf16;
+  DATTN_THROW("invalid ", name, " = ", code, ": expected float32, float16 or bfloat16");
+}
+
+const char* dtype_code(dattn::DType d) {
+  return d == dattn::DType::f32 ? "fp32" : d == dattn::DType::f16 ? "fp16" : "bf16";
+}
+
+dattn::Placement parse_placement(const std::string& name) {
+  if (name == "round_robin") return dattn::Placement::round_robin;
+  if (name == "last_rank") return dattn::Placement::last_rank;
+  DATTN_THROW("invalid placement = '", name, "': expected round_robin or last_rank");
+}
+
+// dattn.KvCache(...): the cache over the runtime's cp group, room for `capacity` tokens on this
+// rank. Collective (the arguments are agreed: a bad one raises on every rank).
+std::shared_ptr<CacheHandle> make_cache(const py::object& heads_q, const py::object& heads_kv,
+                                        const py::object& head_dim, const py::object& head_dim_v,
+                                        const py::object& batch, const std::string& dtype,
+                                        const py::object& capacity, const std::string& placement,
+                                        const py::dict& options, const py::object& runtime) {
+  auto c = std::make_shared<CacheHandle>();
+  c->runtime = handle_of(runtime);
+  dattn::Runtime& rt = use(*c->runtime);
+  const Options o = options_from(options);
+  // Every rank must make its cache alike, capacity included (append checks every rank's share
+  // against this rank's capacity).
+  uint64_t h = hash_string(hash_string(dattn::kHashSeed, dtype), placement);
+  for (const py::object* x : {&heads_q, &heads_kv, &head_dim, &head_dim_v, &batch, &capacity})
+    h = dattn::hash_mix(h, uint64_t(hash_int(*x)));
+  dattn::agree_on_validation(rt.cp(), "dattn.KvCache arguments", h, [&] {
+    const int64_t hq = int_value(heads_q, "heads_q"), hkv = int_value(heads_kv, "heads_kv"),
+                  d = int_value(head_dim, "head_dim");
+    const int64_t dv = head_dim_v.is_none() ? 0 : int_value(head_dim_v, "head_dim_v");
+    DATTN_CHECK_ARG(head_dim_v.is_none() || dv > 0, "head_dim_v", dv, "> 0 (or None: head_dim)");
+    const dattn::AttnSpec spec = make_spec(o, hq, hkv, d, dv);
+    c->cache = std::make_unique<dattn::KvCache>(
+        rt.cp_size(), rt.cp_rank(), spec, int_value(batch, "batch"), parse_dtype(dtype, "dtype"),
+        int_value(capacity, "capacity"), parse_placement(placement), rt.device());
+  });
+  return c;
+}
+
+// k and v against the cache: its dtype and [batch, rows, heads_kv, head_dim(_v)].
+void check_cache_rows(const dattn::Tensor& k, const dattn::Tensor& v, const dattn::KvCache& c,
+                      int64_t rows) {
+  const dattn::AttnSpec& s = c.spec();
+  for (auto [t, name, dim] : {std::tuple{&k, "k", s.head_dim}, std::tuple{&v, "v", s.dim_v()}}) {
+    DATTN_CHECK_ARG(t->dtype() == c.dtype(), cat(name, " dtype"), dattn::dtype_name(t->dtype()),
+                    cat(dattn::dtype_name(c.dtype()), " (the cache's dtype)"));
+    DATTN_CHECK_ARG(t->size(0) == c.batch() && t->size(1) == rows && t->size(2) == s.heads_kv &&
+                        t->size(3) == dim,
+                    cat(name, " shape"), t->shape_str(),
+                    cat("[", c.batch(), ", ", rows, ", ", s.heads_kv, ", ", dim, "]"));
+  }
+}
+
+// KvCache.prefill: this rank's shard of the prompt under a layout of the ranks' summed lengths.
+// Collective: two agreed validations and one allreduce, then the copy into the cache.
+void cache_prefill(CacheHandle& c, const py::tuple& k, const py::tuple& v,
+                   const py::dict& options) {
+  dattn::Runtime& rt = use(*c.runtime);
+  dattn::KvCache& cache = c.get();
+  const Options o = options_from(options);
+  dattn::Tensor tk, tv;
+  const uint64_t h = hash_string(dattn::kHashSeed, o.layout);
+  dattn::agree_on_validation(rt.cp(), "dattn.KvCache.prefill arguments", h, [&] {
+    DATTN_CHECK_ARG(cache.length() == 0, "cache length", cache.length(),
+                    "0 (prefill an empty cache only)");
+    tk = as_bshd(k, "k");
+    tv = as_bshd(v, "v");
+    check_cache_rows(tk, tv, cache, tk.size(1));
+  });
+  const int64_t global = global_length(rt, tk.size(1));
+  dattn::Layout layout;
+  dattn::agree_on_validation(rt.cp(), "dattn.KvCache.prefill layout", h, [&] {
+    layout = make_layout(o, global, rt.cp_size());
+    const int64_t n = layout.local_len(rt.cp_rank());
+    DATTN_CHECK_ARG(
+        tk.size(1) == n, "k seq", tk.size(1),
+        cat(n, " (this rank's share of ", global, " tokens under layout '", o.layout, "')"));
+    DATTN_CHECK_ARG(n <= cache.capacity(), "capacity", cache.capacity(),
+                    cat(">= ", n, " tokens (this rank's share of the prompt)"));
+  });
+  py::gil_scoped_release release;
+  cache.prefill(tk, tv, layout);
+}
+
+// KvCache.append: n new tokens, the same on every rank. Collective: the arguments and n are
+// agreed first, so that the caches stay alike on every rank; the capacity check (every rank
+// knows every rank's share) then fails on every rank alike, before any rank stores a token.
+void cache_append(CacheHandle& c, const py::tuple& k, const py::tuple& v) {
+  dattn::Runtime& rt = use(*c.runtime);
+  dattn::KvCache& cache = c.get();
+  dattn::Tensor tk, tv;
+  const uint64_t h = dattn::hash_mix(dattn::kHashSeed, uint64_t(raw_dim(k, 1)));
+  dattn::agree_on_validation(rt.cp(), "dattn.KvCache.append arguments", h, [&] {
+    tk = as_bshd(k, "k");
+    tv = as_bshd(v, "v");
+    check_cache_rows(tk, tv, cache, tk.size(1));
+  });
+  py::gil_scoped_release release;
+  cache.append(tk, tv);
+}
+
+Buffer cache_positions(const CacheHandle& c) {
+  const dattn::KvCache& cache = c.get();
+  std::vector<int64_t> pos(size_t(cache.local_len()));
+  for (int64_t row = 0; row < cache.local_len(); ++row)
+    pos[size_t(row)] = cache.global_position(row);
+  return to_buffer(std::move(pos));
+}
+
+std::shared_ptr<RuntimeHandle> call_runtime(const CacheHandle& c, const py::object& runtime) {
+  return runtime.is_none() ? c.runtime : runtime.cast<std::shared_ptr<RuntimeHandle>>();
+}
+
+py::tuple decode_step(const py::tuple& q, const CacheHandle& c, const std::string& strategy,
+                      const py::object& runtime) {
+  const auto h = call_runtime(c, runtime);
+  dattn::Runtime& rt = use(*h);
+  dattn::Tensor tq;
+  dattn::DecodeStrategy s = dattn::DecodeStrategy::tree;
+  dattn::agree_on_validation(rt.cp(), "dattn.decode arguments",
+                             hash_string(dattn::kHashSeed, strategy), [&] {
+                               tq = as_bshd(q, "q");
+                               s = dattn::parse_decode_strategy(strategy);
+                             });
+  dattn::Partial r;
+  {
+    py::gil_scoped_release release;
+    r = dattn::decode(rt, tq, c.get(), s);
+  }
+  return partial_result(std::move(r));
+}
+
+// ---------------------------------------------------------------- star attention
+
+py::tuple star_prefill(const py::tuple& q, const py::tuple& k, const py::tuple& v,
+                       const py::dict& options, const py::object& block, const py::object& anchor,
+                       const py::object& runtime) {
+  const auto h = handle_of(runtime);
+  dattn::Runtime& rt = use(*h);
+  Options o = options_from(options);
+  dattn::Tensor tq, tk, tv;
+  dattn::AttnSpec spec;
+  int64_t a = -1;
+  dattn::agree_on_validation(rt.cp(), "dattn.star_prefill arguments", dattn::kHashSeed, [&] {
+    o.block = int_value(block, "block");
+    DATTN_CHECK_ARG(o.block >= 1, "block", o.block, ">= 1 tokens");
+    a = anchor.is_none() ? -1 : int_value(anchor, "anchor");
+    DATTN_CHECK_ARG(anchor.is_none() || a >= 0, "anchor", a,
+                    ">= 0 tokens (or None: the block size)");
+    tq = as_bshd(q, "q");
+    tk = as_bshd(k, "k");
+    tv = as_bshd(v, "v");
+    spec = make_spec(o, tq, tk, tv);
+  });
+  const int64_t global = global_length(rt, tq.size(1));
+  const dattn::Layout layout = dattn::Layout::blocks(global, rt.cp_size(), o.block);
+  dattn::Partial r;
+  {
+    py::gil_scoped_release release;
+    r = dattn::star_prefill(rt, tq, tk, tv, spec, layout, a);
+  }
+  return partial_result(std::move(r));
+}
+
+// The merged result on the query rank (the last cp rank); None on the others.
+py::object star_decode(const py::tuple& q, const CacheHandle& c, const py::object& runtime) {
+  const auto h = call_runtime(c, runtime);
+  dattn::Runtime& rt = use(*h);
+  dattn::Tensor tq;
+  dattn::agree_on_validation(rt.cp(), "dattn.star_decode arguments", dattn::kHashSeed,
+                             [&] { tq = as_bshd(q, "q"); });
+  dattn::Partial r;
+  {
+    py::gil_scoped_release release;
+    r = dattn::star_decode(rt, tq, c.get());
+  }
+  if (!r.out.defined()) return py::none();
+  return partial_result(std::move(r));
+}
+
+// ---------------------------------------------------------------- MLA
+
+// t has `shape` (-1: any size); the message names the expected shape.
+void check_shape(const dattn::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  bool ok = t.dim() == int(shape.size());
+  std::string want = "[";
+  int d = 0;
+  for (int64_t n : shape) {
+    ok = ok && (n < 0 || t.size(d) == n);
+    want += cat(d > 0 ? ", " : "", n < 0 ? std::string("any") : std::to_string(n));
+    ++d;
+  }
+  DATTN_CHECK_ARG(ok, cat(name, " shape"), t.shape_str(), want + "]");
+}
+
+dattn::MlaParallel parse_mla_method(const std::string& name) {
+  if (name == "head_split") return dattn::MlaParallel::head_split;
+  if (name == "tpla") return dattn::MlaParallel::tpla;
+  DATTN_THROW("invalid method = '", name, "': expected head_split or tpla");
+}
+
+dattn::LatentTransform parse_transform(const std::string& name) {
+  if (name == "none") return dattn::LatentTransform::none;
+  if (name == "hadamard") return dattn::LatentTransform::hadamard;
+  if (name == "pca") return dattn::LatentTransform::pca;
+  DATTN_THROW("invalid transform = '", name, "': expected None, hadamard or pca");
+}
+
+dattn::RopePlacement parse_rope(const std::string& name) {
+  if (name == "replicated") return dattn::RopePlacement::replicated;
+  if (name == "split") return dattn::RopePlacement::split;
+  DATTN_THROW("invalid rope = '", name, "': expected replicated or split");
+}
+
+// dattn.mla_decode: the whole cache (the same on every rank) in, this rank's shard of it cut here
+// (mla_shard_cache: a view for head_split, a copy of the slice's columns for TPLA), the transform
+// (if any) folded into the weights and applied to the cache (copies), then the distributed
+// decode. Every local step runs inside one agreed validation. Collective.
+Buffer mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tuple& c_kv,
+                  const py::tuple& k_pe, const py::tuple& w_uk, const py::tuple& w_uv,
+                  const py::object& calibration, const py::dict& mla, const py::dict& options,
+                  const py::object& runtime) {
+  const auto h = handle_of(runtime);
+  dattn::Runtime& rt = use(*h);
+  const Options o = options_from(options);
+  const auto method = mla["method"].cast<std::string>();
+  const auto transform = mla["transform"].cast<std::string>();
+  const auto rope = mla["rope"].cast<std::string>();
+  const py::object q_pos0 = mla["q_pos0"], scale_by_g = mla["scale_logits_by_g"];
+  uint64_t hash = hash_string(hash_string(hash_string(dattn::kHashSeed, method), transform), rope);
+  dattn::MlaParallel parallel{};
+  dattn::MlaConfig cfg;
+  dattn::MlaWeights w;
+  dattn::TplaOptions tpla;
+  dattn::MlaCacheShard shard;
+  dattn::Tensor qn, qp;
+  int64_t pos0 = 0;
+  const dattn::Mask mask = make_mask(o);
+  dattn::agree_on_validation(rt.cp(), "dattn.mla_decode arguments", hash, [&] {
+    parallel = parse_mla_method(method);
+    tpla.rope = parse_rope(rope);
+    tpla.scale_logits_by_g = bool_option(scale_by_g, "scale_logits_by_g");
+    const dattn::LatentTransform kind = parse_transform(transform);
+    qn = as_tensor(q_nope, "q_nope", 4, "[batch, S_q, heads, qk_nope]");
+    qp = as_tensor(q_pe, "q_pe", 4, "[batch, S_q, heads, rope]");
+    const dattn::Tensor c = as_tensor(c_kv, "c_kv", 3, "[batch, seq, latent]");
+    const dattn::Tensor kp = as_tensor(k_pe, "k_pe", 3, "[batch, seq, rope]");
+    w.w_uk = as_tensor(w_uk, "w_uk", 3, "[heads, qk_nope, latent]");
+    w.w_uv = as_tensor(w_uv, "w_uv", 3, "[heads, v_head, latent]");
+    for (auto [t, name] :
+         std::initializer_list<std::pair<const dattn::Tensor*, const char*>>{{&qn, "q_nope"},
+                                                                             {&qp, "q_pe"},
+                                                                             {&c, "c_kv"},
+                                                                             {&kp, "k_pe"},
+                                                                             {&w.w_uk, "w_uk"},
+                                                                             {&w.w_uv, "w_uv"}})
+      DATTN_CHECK_ARG(t->dtype() == dattn::DType::f32, cat(name, " dtype"),
+                      dattn::dtype_name(t->dtype()), "fp32 (MLA tensors are float32)");
+    // The configuration is the weights' and the cache's; the queries must match it.
+    cfg.heads = w.w_uk.size(0);
+    cfg.qk_nope = w.w_uk.size(1);
+    cfg.latent = w.w_uk.size(2);
+    cfg.v_head = w.w_uv.size(1);
+    cfg.rope = kp.size(2);
+    const int64_t B = c.size(0), S = c.size(1), Sq = qn.size(1);
+    check_shape(w.w_uv, "w_uv", {cfg.heads, -1, cfg.latent});
+    check_shape(c, "c_kv", {-1, -1, cfg.latent});
+    check_shape(kp, "k_pe", {B, S, -1});
+    check_shape(qn, "q_nope", {B, -1, cfg.heads, cfg.qk_nope});
+    check_shape(qp, "q_pe", {B, Sq, cfg.heads, cfg.rope});
+    DATTN_CHECK_ARG(o.softmax_scale >= 0, "softmax_scale", o.softmax_scale, "> 0 (or None)");
+    cfg.softmax_scale = float(o.softmax_scale);
+    cfg.validate();
+    mask.validate();
+    DATTN_CHECK_ARG(!mask.documents, "mask", mask.str(), "a band mask (causal, window or none)");
+    pos0 = q_pos0.is_none() ? S - Sq : int_value(q_pos0, "q_pos0");
+    DATTN_CHECK_ARG(pos0 >= 0, "q_pos0", pos0,
+                    ">= 0 (None: the queries are the cache's last S_q tokens)");
+    dattn::Tensor cal;
+    if (kind == dattn::LatentTransform::pca)
+      cal = calibration.is_none()
+                ? dattn::Tensor::wrap(c.data(), {c.size(0) * c.size(1), c.size(2)}, c.dtype())
+                : as_tensor(calibration.cast<py::tuple>(), "calibration", 2, "[tokens, latent]");
+    const dattn::MlaTransform t = dattn::make_latent_transform(kind, cfg.latent, cal);
+    dattn::Tensor cache = c;
+    if (kind != dattn::LatentTransform::none) {
+      w = dattn::fold_transform(w, t);
+      cache = dattn::apply_transform(t, c);
+    }
+    shard = dattn::mla_shard_cache(cfg, parallel, tpla, cache, kp, rt.cp_rank(), rt.cp_size());
+  });
+  dattn::Tensor out;
+  {
+    py::gil_scoped_release release;
+    out = dattn::mla_decode(rt, parallel, cfg, w, qn, qp, shard, pos0, tpla, mask);
+  }
+  return to_buffer(std::move(out));
 }
 
 // Sums a C-contiguous float64 buffer over every rank, in place.
@@ -513,7 +1049,54 @@ PYBIND11_MODULE(_C, m) {
   init_mpi();
   dattn::set_error_rank(world_rank());
 
-  m.def("finalize", &finalize, "Releases the Runtime and finalises MPI if dattn initialised it.");
+  // The package's dattn.Runtime and dattn.KvCache hold these.
+  py::class_<RuntimeHandle, std::shared_ptr<RuntimeHandle>>(m, "Runtime",
+                                                            "A dattn::Runtime (see dattn.Runtime).")
+      .def(py::init(&make_runtime), py::arg("comm_address"), py::arg("tp"), py::arg("ulysses"),
+           py::arg("threads"), py::arg("check_finite"), py::arg("timeout_s"))
+      .def_property_readonly("rank", [](RuntimeHandle& h) { return get(h).rank(); })
+      .def_property_readonly("size", [](RuntimeHandle& h) { return get(h).size(); })
+      .def_property_readonly("cp_rank", [](RuntimeHandle& h) { return get(h).cp_rank(); })
+      .def_property_readonly("cp_size", [](RuntimeHandle& h) { return get(h).cp_size(); })
+      .def_property_readonly("tp_rank", [](RuntimeHandle& h) { return get(h).tp_rank(); })
+      .def_property_readonly("tp_size", [](RuntimeHandle& h) { return get(h).tp_size(); })
+      .def_property_readonly("ulysses", [](RuntimeHandle& h) { return get(h).ulysses_degree(); })
+      .def_property_readonly("threads", [](RuntimeHandle& h) { return get(h).threads(); })
+      .def_property_readonly("check_finite", [](RuntimeHandle& h) { return get(h).check_finite(); })
+      .def_property_readonly("device", [](RuntimeHandle& h) { return get(h).device().str(); });
+  m.def("default_runtime", &default_handle);
+  m.def("omp_max_threads", &omp_get_max_threads,
+        "OpenMP's thread count for this process's next parallel region (tests check that a "
+        "call restores its runtime's).");
+  m.def("mpi_library_version", &mpi_library_version);
+
+  py::class_<CacheHandle, std::shared_ptr<CacheHandle>>(m, "KvCache",
+                                                        "A dattn::KvCache (see dattn.KvCache).")
+      .def(py::init(&make_cache), py::arg("heads_q"), py::arg("heads_kv"), py::arg("head_dim"),
+           py::arg("head_dim_v"), py::arg("batch"), py::arg("dtype"), py::arg("capacity"),
+           py::arg("placement"), py::arg("options"), py::arg("runtime"))
+      .def("prefill", &cache_prefill)
+      .def("append", &cache_append)
+      .def("positions", &cache_positions)
+      .def_property_readonly("runtime", [](const CacheHandle& c) { return c.runtime; })
+      .def_property_readonly("length", [](const CacheHandle& c) { return c.get().length(); })
+      .def_property_readonly("local_len", [](const CacheHandle& c) { return c.get().local_len(); })
+      .def_property_readonly("capacity", [](const CacheHandle& c) { return c.get().capacity(); })
+      .def_property_readonly("batch", [](const CacheHandle& c) { return c.get().batch(); })
+      .def_property_readonly("dtype",
+                             [](const CacheHandle& c) { return dtype_code(c.get().dtype()); })
+      .def_property_readonly(
+          "placement",
+          [](const CacheHandle& c) { return dattn::placement_name(c.get().placement()); })
+      .def_property_readonly("heads_q", [](const CacheHandle& c) { return c.get().spec().heads_q; })
+      .def_property_readonly("heads_kv",
+                             [](const CacheHandle& c) { return c.get().spec().heads_kv; })
+      .def_property_readonly("head_dim",
+                             [](const CacheHandle& c) { return c.get().spec().head_dim; })
+      .def_property_readonly("head_dim_v",
+                             [](const CacheHandle& c) { return c.get().spec().dim_v(); });
+
+  m.def("finalize", &finalize, "Releases the Runtimes and finalises MPI if dattn initialised it.");
   m.def("rank", &world_rank, "This process's rank in MPI_COMM_WORLD.");
   m.def("world_size", &world_size, "The number of ranks in MPI_COMM_WORLD.");
   m.def(
@@ -531,11 +1114,21 @@ PYBIND11_MODULE(_C, m) {
         std::exit(code);
       },
       py::arg("code") = 1, "Aborts every rank of the job with the exit code (MPI_Abort).");
-  m.def("attention_forward", &attention_forward);
-  m.def("attention_backward", &attention_backward);
+  // runtime: None (the default runtime) or a dattn.Runtime's handle.
+  m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("options"), py::arg("runtime") = py::none());
+  m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("options"),
+        py::arg("runtime") = py::none());
   m.def("attention_local_forward", &attention_local_forward);
   m.def("attention_local_backward", &attention_local_backward);
-  m.def("layout_positions", &layout_positions);
+  m.def("layout_positions", &layout_positions, py::arg("kind"), py::arg("global_seq"),
+        py::arg("rank"), py::arg("world"), py::arg("stripe_block"), py::arg("cu_seqlens"),
+        py::arg("block") = 0);
+  m.def("decode", &decode_step);
+  m.def("star_prefill", &star_prefill);
+  m.def("star_decode", &star_decode);
+  m.def("mla_decode", &mla_decode);
   m.def("time_forward", &time_forward);
   m.def("allreduce_sum", &allreduce_sum);
 }

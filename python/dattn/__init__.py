@@ -1,23 +1,38 @@
 """dattn: distributed attention over MPI ranks, from Python.
 
 Run under MPI (``mpirun -n 4 python3 train.py``); each process passes its own shard of the
-sequence. Importing dattn initialises MPI (MPI_THREAD_FUNNELED) unless the program already did,
-and finalises it at exit.
+sequence. Importing dattn initialises MPI (MPI_THREAD_FUNNELED) unless the program (or mpi4py)
+already did, and finalises it at exit only if it initialised it.
 
     import dattn
     pos = dattn.layout_positions("zigzag", S)        # the global tokens this rank holds
     out = dattn.attention(q[:, pos], k[:, pos], v[:, pos], causal=True, layout="zigzag")
     out.sum().backward()                              # torch tensors: q.grad, k.grad, v.grad
 
-Tensors are bshd ([batch, seq, heads, head_dim]) numpy arrays (float32, float16) or CPU torch
-tensors (float32, bfloat16, float16). Results are float32, numpy for numpy inputs and torch for
-torch inputs.
+    cache = dattn.KvCache(heads_q=8, heads_kv=2, head_dim=64, batch=1, dtype="bfloat16",
+                          capacity=4096)               # this rank's room, in tokens
+    cache.prefill(k_shard, v_shard)                  # this rank's shard of the prompt
+    cache.append(k_new, v_new)                       # the new token's K/V, the same everywhere
+    out = dattn.decode(q_new, cache, strategy="tree")   # the whole result on every rank
+
+The whole C++ API, named like it: attention (and its backward), KvCache and decode (tree, ring,
+allgather), star_prefill / star_decode (star attention), mla_decode (head split or TPLA, with a
+Hadamard or PCA transform of the latent), and Runtime (or from_comm, over an mpi4py
+communicator) for the options of dattn::RuntimeOptions. Every distributed call takes
+``runtime=``; without it the module's default runtime over MPI_COMM_WORLD runs it.
+
+Tensors are numpy arrays (float32, float16) or CPU torch tensors (float32, bfloat16, float16);
+attention tensors are bshd ([batch, seq, heads, head_dim]). Results are float32, numpy for
+numpy inputs and torch for torch inputs, over the library's own storage (no copy). An input
+that is C-contiguous is read where it lies (no copy); attention, attention_local and their
+backward calls copy a non-contiguous one, every other call refuses it (InvalidArgumentError
+naming it).
 
 Errors raise a subclass of dattn.Error with the library's message (it names the parameter and the
 rank) and its kind as e.kind; each also derives from the builtin a caller expects:
 InvalidArgumentError (ValueError), OutOfMemoryError (MemoryError), TimeoutError (TimeoutError),
-MPIError, CUDAError, NCCLError and InternalError (RuntimeError). A bad tensor on one rank raises
-the same class on every rank.
+MPIError, CUDAError, NCCLError and InternalError (RuntimeError). A bad argument on one rank
+raises the same class on every rank of the call's group; nothing hangs.
 """
 
 import atexit
@@ -38,9 +53,10 @@ from . import _C  # noqa: E402 - after torch, see above
 # TimeoutError is left out of __all__: a star import would hide the builtin of that name.
 __all__ = [
     "attention", "attention_backward", "attention_local", "attention_local_backward",
-    "layout_positions", "rank", "world_size", "allreduce_sum", "barrier", "abort", "finalize",
-    "Error", "InvalidArgumentError", "OutOfMemoryError", "MPIError", "CUDAError", "NCCLError",
-    "InternalError",
+    "Runtime", "from_comm", "default_runtime", "KvCache", "decode", "star_prefill", "star_decode",
+    "mla_decode", "layout_positions", "rank", "world_size", "allreduce_sum", "barrier", "abort",
+    "finalize", "Error", "InvalidArgumentError", "OutOfMemoryError", "MPIError", "CUDAError",
+    "NCCLError", "InternalError",
 ]
 
 atexit.register(_C.finalize)
@@ -61,68 +77,95 @@ NCCLError = _C.NCCLError
 InternalError = _C.InternalError
 
 
-
 # ---------------------------------------------------------------- arrays in and out
 
 def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _as_array(x, name):
-    """(array, dtype name) for the extension: a C-contiguous numpy view of x (no copy where x
-    already is one); bfloat16 goes as its 16-bit patterns. What dattn cannot take goes as an empty
-    array with a description instead, for the extension to reject on every rank at once."""
+def _as_array(x, name, copy=True):
+    """(array, dtype name) for the extension: a numpy view of x; bfloat16 goes as its 16-bit
+    patterns. A C-contiguous x is never copied; a non-contiguous one is copied with copy=True and
+    otherwise passed as it is, for the extension to reject naming it. What dattn cannot take goes
+    as an empty array with a description instead, for the extension to reject on every rank at
+    once."""
     if _is_torch(x):
         if x.device.type != "cpu":
-            return (_NOTHING, f"a tensor on {x.device} (expected cpu)")
-        x = x.detach().contiguous()
+            return (_NOTHING, f"a tensor on device {x.device}: expected a CPU tensor")
+        x = x.detach()
+        if copy:
+            x = x.contiguous()
         if x.dtype == torch.float32:
             return (x.numpy(), "fp32")
         if x.dtype == torch.bfloat16:
             return (x.view(torch.int16).numpy(), "bf16")
         if x.dtype == torch.float16:
             return (x.numpy(), "fp16")
-        return (_NOTHING, f"dtype {x.dtype}")
+        return (_NOTHING, f"dtype {x.dtype}: expected float32, bfloat16 or float16")
     a = np.asarray(x)
-    if a.dtype == np.float32:
-        return (np.ascontiguousarray(a), "fp32")
-    if a.dtype == np.float16:
-        return (np.ascontiguousarray(a), "fp16")
-    return (_NOTHING, f"dtype {a.dtype} (convert with .astype(np.float32))")
+    if a.dtype == np.float32 or a.dtype == np.float16:
+        return (np.ascontiguousarray(a) if copy else a, "fp32" if a.dtype == np.float32 else "fp16")
+    return (_NOTHING, f"dtype {a.dtype}: expected float32, float16 or bfloat16 "
+                      "(convert with .astype(np.float32))")
+
+
+def _view(x, name):
+    """_as_array without a copy: a non-contiguous x is refused (by the extension, on every
+    rank)."""
+    return _as_array(x, name, copy=False)
 
 
 _NOTHING = np.zeros((0, 0, 0, 0), dtype=np.float32)
 
 
-def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",
-             ulysses_degree=None, stripe_block=1):
-    """The options dict the extension takes: the mask as window sizes and document boundaries."""
-    o = {"causal": bool(causal), "layout": str(layout), "strategy": str(strategy),
-         "stripe_block": int(stripe_block)}
-    if softmax_scale is not None:
-        if not softmax_scale > 0:
-            raise InvalidArgumentError(
-                f"invalid softmax_scale = {softmax_scale}: expected > 0 (or None)")
-        o["softmax_scale"] = float(softmax_scale)
+def _mask(o, causal, window):
+    """The mask's entries of an options dict: causal, and window=w (the w keys before each query
+    and the query: a causal sliding window) or window=(left, right) (keys from q - left to
+    q + right; -1 on a side: no limit)."""
+    o["causal"] = bool(causal)
     if window is not None:
-        # window=w: the w keys before each query and the query (causal sliding window);
-        # window=(left, right): keys from q - left to q + right. -1 on a side: no limit.
         left, right = (window, 0) if np.ndim(window) == 0 else tuple(window)
         left, right = int(left), int(right)
         if causal and right != 0:
             raise InvalidArgumentError(
                 f"invalid window = {window}: causal=True needs a right window of 0")
         o["window_left"], o["window_right"] = left, right
+    return o
+
+
+def _scale(o, softmax_scale):
+    if softmax_scale is not None:
+        if not softmax_scale > 0:
+            raise InvalidArgumentError(
+                f"invalid softmax_scale = {softmax_scale}: expected > 0 (or None)")
+        o["softmax_scale"] = float(softmax_scale)
+    return o
+
+
+def _layout(o, layout, stripe_block, cu_seqlens, block=None):
+    """The layout's entries of an options dict."""
+    o["layout"], o["stripe_block"] = str(layout), int(stripe_block)
     if cu_seqlens is not None:
         o["cu_seqlens"] = [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
     if layout == "varlen" and cu_seqlens is None:
         raise InvalidArgumentError("invalid cu_seqlens = None: expected document boundaries "
                                    "[0, e1, ..., S] for layout 'varlen'")
+    if block is not None:
+        o["block"] = int(block)
+    return o
+
+
+def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",
+             ulysses_degree=None, stripe_block=1, runtime=None):
+    """The options dict the extension takes: the mask as window sizes and document boundaries.
+    hybrid needs ulysses_degree on the default runtime; a dattn.Runtime brings its own."""
+    o = _scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale)
+    _layout(o, layout, stripe_block, cu_seqlens)
     if strategy == "hybrid":
-        if ulysses_degree is None:
+        if ulysses_degree is None and runtime is None:
             raise InvalidArgumentError("invalid ulysses_degree = None: expected the Ulysses "
                                        "group size (a divisor of the ranks) for strategy 'hybrid'")
-        o["ulysses_degree"] = int(ulysses_degree)
+        o["ulysses_degree"] = 0 if ulysses_degree is None else int(ulysses_degree)
     return o
 
 
@@ -140,24 +183,128 @@ def _result(buffers, like_torch):
     return tuple(_tensor(b) if like_torch else _array(b) for b in buffers)
 
 
+def _out(buffers, like_torch, return_lse):
+    """(out, lse) or out, of the input's kind."""
+    out, lse = _result(buffers, like_torch)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- runtimes
+
+def _comm_address(comm):
+    """The address of the MPI_Comm inside an mpi4py communicator, for the extension to read.
+
+    MPI._addressof(comm), not MPI._handleof(comm): the address of the handle works for any MPI
+    (Open MPI's MPI_Comm is a pointer, MPICH's an int), since the extension reads an MPI_Comm
+    from it; the handle's integer value would have to be cast back to MPI_Comm, which is only
+    right where MPI_Comm is a pointer or an int of that width. Both need mpi4py to run on the
+    MPI library dattn was built with, which is checked here."""
+    if comm is None:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is None or not isinstance(comm, MPI.Comm):
+        raise InvalidArgumentError(f"invalid comm = {comm!r}: expected an mpi4py.MPI.Comm "
+                                   "(or None: MPI_COMM_WORLD)")
+    theirs, ours = MPI.Get_library_version().strip(), _C.mpi_library_version().strip()
+    if theirs != ours:
+        raise InvalidArgumentError(f"invalid comm: mpi4py runs on '{theirs}', dattn on "
+                                   f"'{ours}': expected mpi4py built for dattn's MPI library")
+    return MPI._addressof(comm)
+
+
+class Runtime:
+    """The ranks and options every distributed call runs with (dattn::Runtime): the ranks of
+    `comm` (an mpi4py communicator; None: MPI_COMM_WORLD) form a cp x tp grid, tp fastest, and a
+    call runs over this rank's cp group (the cp_size ranks with its tp_rank).
+
+    tp: tensor-parallel degree, a divisor of the ranks (cp = ranks / tp). ulysses: the Ulysses
+    degree U of strategy "hybrid" (a divisor of cp). threads: OpenMP threads per rank (None:
+    OMP_NUM_THREADS if set, else the node's cores / its ranks); set again at every call on this
+    runtime, as OpenMP's count is one per process. check_finite: scan every call's inputs for
+    NaN/inf and raise InvalidArgumentError naming the first one (DATTN_CHECK_FINITE=1 turns it on
+    as well). timeout_s: the watchdog's deadline in seconds for any wait (None: DATTN_TIMEOUT,
+    else 300); past it the job is aborted with a message (exit code 14).
+
+    Collective over comm. A bad option raises InvalidArgumentError naming it on every rank of
+    comm. Attributes: rank, size (in comm), cp_rank, cp_size, tp_rank, tp_size, ulysses, threads,
+    check_finite, device, comm. dattn.finalize() releases every Runtime."""
+
+    def __init__(self, tp=1, ulysses=1, threads=None, check_finite=False, timeout_s=None,
+                 comm=None):
+        self._c = _C.Runtime(_comm_address(comm), tp, ulysses, threads, check_finite, timeout_s)
+        self.comm = comm
+
+    @classmethod
+    def _wrap(cls, handle, comm=None):
+        rt = cls.__new__(cls)
+        rt._c, rt.comm = handle, comm
+        return rt
+
+    rank = property(lambda self: self._c.rank)
+    size = property(lambda self: self._c.size)
+    cp_rank = property(lambda self: self._c.cp_rank)
+    cp_size = property(lambda self: self._c.cp_size)
+    tp_rank = property(lambda self: self._c.tp_rank)
+    tp_size = property(lambda self: self._c.tp_size)
+    ulysses = property(lambda self: self._c.ulysses)
+    threads = property(lambda self: self._c.threads)
+    check_finite = property(lambda self: self._c.check_finite)
+    device = property(lambda self: self._c.device)
+
+    def __repr__(self):
+        return (f"dattn.Runtime(rank {self.rank} of {self.size}: cp {self.cp_rank} of "
+                f"{self.cp_size}, tp {self.tp_rank} of {self.tp_size}, ulysses {self.ulysses}, "
+                f"threads {self.threads}, check_finite {self.check_finite})")
+
+
+def from_comm(comm, **options):
+    """A dattn.Runtime over an mpi4py communicator (mpi4py.MPI.Comm), for programs that already
+    use mpi4py: Runtime(comm=comm, **options). Collective over comm; the runtime works on its
+    own duplicate of comm. MPI.COMM_NULL (a rank outside a split's groups, or a freed
+    communicator) raises InvalidArgumentError naming comm."""
+    return Runtime(comm=comm, **options)
+
+
+def default_runtime():
+    """The module's default Runtime over MPI_COMM_WORLD (cp = every rank, default options), the
+    one calls without runtime= use. Its Ulysses degree follows the last attention call with
+    strategy "hybrid" and ulysses_degree. Collective the first time."""
+    return Runtime._wrap(_C.default_runtime())
+
+
+def _handle(runtime):
+    """The extension's handle of runtime= (None: the default runtime)."""
+    if runtime is None:
+        return None
+    if not isinstance(runtime, Runtime):
+        raise InvalidArgumentError(f"invalid runtime = {runtime!r}: expected a dattn.Runtime "
+                                   "(or None: the default runtime)")
+    return runtime._c
+
+
 # ---------------------------------------------------------------- autograd
 
 class _Call:
     """One configured attention call (distributed or local): forward and backward on torch
-    tensors."""
+    tensors. runtime: the extension's handle for a distributed call (None: the default runtime,
+    and what a local call takes)."""
 
-    def __init__(self, forward, backward, options):
+    def __init__(self, forward, backward, options, runtime=None):
         self.forward_fn, self.backward_fn, self.options = forward, backward, options
+        self.extra = () if runtime is None else (runtime,)
 
     def forward(self, q, k, v):
         out, lse = self.forward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
-                                   self.options)
+                                   self.options, *self.extra)
         return _tensor(out), _tensor(lse)
 
     def backward(self, q, k, v, out, lse, dout):
         dq, dk, dv = self.backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),
-                                      _as_array(dout, "dout"), self.options)
+                                      _as_array(dout, "dout"), self.options, *self.extra)
         return _tensor(dq), _tensor(dk), _tensor(dv)
 
 
@@ -183,58 +330,59 @@ if torch is not None:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _run(forward, backward, q, k, v, options, return_lse):
+def _run(call, q, k, v, return_lse):
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
         if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
             raise InvalidArgumentError(
                 "invalid q, k, v: expected all torch tensors or all numpy arrays")
-        call = _Call(forward, backward, options)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _AttentionFunction.apply(q, k, v, call)
         else:
             out, lse = call.forward(q, k, v)
     else:
-        out, lse = _result(forward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
-                                   options), False)
+        out, lse = _result(call.forward_fn(_as_array(q, "q"), _as_array(k, "k"),
+                                           _as_array(v, "v"), call.options, *call.extra), False)
     return (out, lse) if return_lse else out
 
 
-# ---------------------------------------------------------------- the API
+# ---------------------------------------------------------------- attention
 
 def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", strategy="ring",
               window=None, cu_seqlens=None, return_lse=False, ulysses_degree=None,
-              stripe_block=1):
+              stripe_block=1, runtime=None):
     """Distributed attention of this rank's shards q [B, S_r, H, D], k and v [B, S_r, H_kv, D(v)]
     under `layout` ("contiguous", "zigzag", "striped" with `stripe_block`, "varlen" with
-    `cu_seqlens`). The global sequence is the sum of the ranks' shard lengths. Collective: every
-    rank calls it with the same arguments.
+    `cu_seqlens`). The global sequence is the sum of the ranks' shard lengths. Collective over
+    the runtime's cp group: every rank calls it with the same arguments.
 
     Mask: causal; window=w (the w keys before each query, with causal) or (left, right);
     cu_seqlens=[0, e1, ..., S] (documents: a token sees its own document, causally when causal).
     strategy: "ring", "ulysses" (H_kv divisible by the ranks) or "hybrid" (Ulysses groups of
-    `ulysses_degree` ranks, ring across them). Returns out [B, S_r, H, Dv] float32 and, with
-    return_lse, lse [B, H, S_r] (natural log). Torch inputs that require grad get gradients
-    through the distributed backward."""
-    if _torch_ops.applies(q, k, v):
+    `ulysses_degree` ranks, ring across them; with runtime=, the runtime's ulysses). Returns out
+    [B, S_r, H, Dv] float32 and, with return_lse, lse [B, H, S_r] (natural log). Torch inputs
+    that require grad get gradients through the distributed backward. A non-contiguous input is
+    copied."""
+    if runtime is None and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(False, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens, layout, strategy, ulysses_degree, stripe_block)
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block)
-    return _run(_C.attention_forward, _C.attention_backward, q, k, v, options, return_lse)
+                       ulysses_degree, stripe_block, runtime)
+    call = _Call(_C.attention_forward, _C.attention_backward, options, _handle(runtime))
+    return _run(call, q, k, v, return_lse)
 
 
 def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
                        layout="contiguous", strategy="ring", window=None, cu_seqlens=None,
-                       ulysses_degree=None, stripe_block=1):
+                       ulysses_degree=None, stripe_block=1, runtime=None):
     """The distributed backward without autograd: dq, dk, dv (float32, the shapes of q, k, v) for
     the attention call with these arguments that returned out and lse, and dout, the gradient of
     out. Collective, like attention()."""
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block)
+                       ulysses_degree, stripe_block, runtime)
     like_torch = _is_torch(q)
     res = _C.attention_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
-                                _as_array(dout, "dout"), options)
+                                _as_array(dout, "dout"), options, _handle(runtime))
     return _result(res, like_torch)
 
 
@@ -246,8 +394,8 @@ def attention_local(q, k, v, causal=False, softmax_scale=None, window=None, cu_s
         return _torch_ops.attention(True, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens)
     options = _options(causal, softmax_scale, window, cu_seqlens)
-    return _run(_C.attention_local_forward, _C.attention_local_backward, q, k, v, options,
-                return_lse)
+    call = _Call(_C.attention_local_forward, _C.attention_local_backward, options)
+    return _run(call, q, k, v, return_lse)
 
 
 def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
@@ -261,16 +409,200 @@ def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scal
     return _result(res, like_torch)
 
 
-def layout_positions(kind, global_seq, rank=None, world=None, stripe_block=1, cu_seqlens=None):
-    """The global positions (int64 numpy array, in local order) of the tokens `rank` (default:
-    this rank) of `world` ranks (default: all) holds under a layout: contiguous, zigzag, striped
-    (blocks of stripe_block tokens) or varlen (cu_seqlens; global_seq must be cu_seqlens[-1]).
-    Shard a global tensor x [B, S, ...] with x[:, layout_positions(...)]."""
+# ---------------------------------------------------------------- KV cache and decode
+
+_DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "float16": "fp16", "fp16": "fp16",
+           "half": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+def _dtype_code(dtype):
+    """"fp32", "fp16" or "bf16" for a dtype given as a name, a numpy dtype or a torch dtype; else
+    a description for the extension to reject."""
+    if torch is not None and isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    elif isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+    return _DTYPES.get(name, repr(name))
+
+
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class KvCache:
+    """The KV cache of decoding, sharded over the ranks of the runtime's cp group
+    (dattn::KvCache): this rank holds room for `capacity` tokens, K [batch, capacity, heads_kv,
+    head_dim] and V [batch, capacity, heads_kv, head_dim_v] of `dtype` ("float32", "float16",
+    "bfloat16", or a numpy/torch dtype), for queries of heads_q heads (a multiple of heads_kv:
+    GQA/MQA).
+
+    prefill() stores each rank's shard of the prompt (its tokens under a layout); append() adds
+    new tokens, which `placement` spreads over the ranks: "round_robin" (token t of the appended
+    ones on rank t % P) or "last_rank" (all on the last, as star_decode needs). positions()
+    says which global positions this rank's rows hold. The mask (causal by default, window=,
+    softmax_scale) is the decode's: a query at position p sees the tokens the mask lets it.
+
+    Collective, like prefill() and append(): every rank of the cp group makes the same calls
+    (a bad argument raises on every rank). Attributes: length (tokens in the whole context),
+    local_len (on this rank), capacity, batch, dtype, placement, heads_q, heads_kv, head_dim,
+    head_dim_v, runtime."""
+
+    def __init__(self, heads_q, heads_kv, head_dim, batch, dtype, capacity,
+                 placement="round_robin", head_dim_v=None, causal=True, window=None,
+                 softmax_scale=None, runtime=None):
+        options = _scale(_mask({}, causal, window), softmax_scale)
+        self._c = _C.KvCache(heads_q, heads_kv, head_dim, head_dim_v, batch, _dtype_code(dtype),
+                             capacity, str(placement), options, _handle(runtime))
+        self.runtime = runtime if runtime is not None else default_runtime()
+
+    def prefill(self, k, v, layout="contiguous", stripe_block=1, cu_seqlens=None, block=None):
+        """Stores this rank's shard of the prompt, k [B, n, H_kv, D] and v [B, n, H_kv, Dv] (the
+        cache's dtype), where n is this rank's share under `layout` (as attention's;
+        "blocks" with `block` tokens per block is star attention's) of the prompt, whose length
+        is the sum of the ranks' n. Once, on an empty cache. Collective. Copies the rows into the
+        cache; k and v must be C-contiguous."""
+        options = _layout({}, layout, stripe_block, cu_seqlens, block)
+        self._c.prefill(_view(k, "k"), _view(v, "v"), options)
+
+    def append(self, k, v):
+        """Appends n tokens at global positions length .. length + n - 1: k [B, n, H_kv, D] and
+        v [B, n, H_kv, Dv] (the cache's dtype, C-contiguous), the same on every rank; each rank
+        keeps the tokens the placement gives it (with "last_rank" the others may pass any
+        tensors of that shape). Raises InvalidArgumentError naming the capacity on every rank,
+        storing nothing, when any rank's share does not fit. Collective."""
+        self._c.append(_view(k, "k"), _view(v, "v"))
+
+    def positions(self):
+        """The global positions (int64 numpy array) of this rank's cache rows, in row order."""
+        return _array(self._c.positions())
+
+    length = property(lambda self: self._c.length)
+    local_len = property(lambda self: self._c.local_len)
+    capacity = property(lambda self: self._c.capacity)
+    batch = property(lambda self: self._c.batch)
+    dtype = property(lambda self: _DTYPE_NAMES[self._c.dtype])
+    placement = property(lambda self: self._c.placement)
+    heads_q = property(lambda self: self._c.heads_q)
+    heads_kv = property(lambda self: self._c.heads_kv)
+    head_dim = property(lambda self: self._c.head_dim)
+    head_dim_v = property(lambda self: self._c.head_dim_v)
+
+    def __repr__(self):
+        return (f"dattn.KvCache({self.length} tokens, {self.local_len} of them here, capacity "
+                f"{self.capacity}, {self.dtype}, {self.placement})")
+
+
+def _cache_handle(cache):
+    if not isinstance(cache, KvCache):
+        raise InvalidArgumentError(f"invalid cache = {cache!r}: expected a dattn.KvCache")
+    return cache._c
+
+
+def decode(q, cache, strategy="tree", return_lse=False, runtime=None):
+    """One decode step (dattn::decode): q [B, S_q, H_q, D] (the cache's dtype, C-contiguous), the
+    same on every rank, at global positions cache.length - S_q .. cache.length - 1 (append the
+    new tokens' K/V first, so that they see themselves), against the whole sharded cache.
+    strategy: "tree" (every rank's partial against its shard, combined by two fixed-size
+    allreduces; two-level across nodes), "ring" (K/V shards rotate) or "allgather" (every rank
+    gathers the whole cache). Collective over the cache's runtime (or `runtime`). Every rank
+    returns the same whole result: out [B, S_q, H_q, Dv] float32 and, with return_lse,
+    lse [B, H_q, S_q]."""
+    res = _C.decode(_view(q, "q"), _cache_handle(cache), str(strategy), _handle(runtime))
+    return _out(res, _is_torch(q), return_lse)
+
+
+# ---------------------------------------------------------------- star attention
+
+def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, window=None,
+                 return_lse=False, runtime=None):
+    """Star attention's phase 1 (dattn::star_prefill): the context cut into blocks of `block`
+    tokens, each attending to itself (causally by default) behind the anchor, the context's
+    first `anchor` tokens (None: `block`; 0: no anchor); block 0 attends to itself alone. q, k,
+    v are this rank's shard under the "blocks" layout (layout_positions("blocks", S,
+    block=block)): whole blocks, placed contiguously, of a context whose length is the sum of
+    the ranks' shard lengths. An approximation with several ranks (a block does not see the
+    middle of the context before it); exact causal attention when one block holds the whole
+    context. Collective: one broadcast of the anchor's K/V. Returns this rank's out
+    [B, S_r, H, Dv] float32 (and lse [B, H, S_r] with return_lse). Inputs must be
+    C-contiguous."""
+    options = _scale(_mask({}, causal, window), softmax_scale)
+    res = _C.star_prefill(_view(q, "q"), _view(k, "k"), _view(v, "v"), options, block, anchor,
+                          _handle(runtime))
+    return _out(res, _is_torch(q), return_lse)
+
+
+def star_decode(q, cache, return_lse=False, runtime=None):
+    """Star attention's phase 2, one step (dattn::star_decode): the query tokens q
+    [B, S_q, H_q, D] at global positions cache.length - S_q .. attend to every rank's cache.
+    cache: placement "last_rank", prefilled from phase 1's K/V shards (layout "blocks", the same
+    block) and the query tokens' K/V appended. q is read on the query rank (the last cp rank)
+    only; the others pass any tensor of that shape. Collective. Returns out [B, S_q, H_q, Dv]
+    float32 (and lse) on the query rank, exact over the cache; None on the other ranks."""
+    res = _C.star_decode(_view(q, "q"), _cache_handle(cache), _handle(runtime))
+    if res is None:
+        return (None, None) if return_lse else None
+    return _out(res, _is_torch(q), return_lse)
+
+
+# ---------------------------------------------------------------- MLA
+
+def mla_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, method="head_split", transform=None,
+               calibration=None, rope="replicated", scale_logits_by_g=False, q_pos0=None,
+               causal=True, window=None, softmax_scale=None, runtime=None):
+    """One decode step of multi-head latent attention (dattn::mla_decode) over the G ranks of the
+    runtime's cp group. All tensors float32 and C-contiguous, the same on every rank: the queries
+    q_nope [B, S_q, H, qk_nope] and q_pe [B, S_q, H, d_r] at global positions q_pos0 .. (None:
+    the cache's last S_q tokens), the latent cache c_kv [B, S, d_c] and k_pe [B, S, d_r] at
+    positions 0 .. S-1, the up-projections w_uk [H, qk_nope, d_c] and w_uv [H, v_head, d_c].
+
+    method: "head_split" (rank g computes H/G heads against the whole cache, then an allgather;
+    exact MLA) or "tpla" (each rank attends a 1/G slice of the latent, with its own softmax, and
+    the outputs are summed: an approximation of MLA, exact for G = 1). rope ("replicated" or
+    "split": each rank d_r/G of it) and scale_logits_by_g (multiply a slice's logits by G) are
+    TPLA's options. transform: None, "hadamard" (d_c a power of two) or "pca" (the eigenvectors
+    of the covariance of `calibration` latents [N, d_c], default the cache's own): an orthogonal
+    R folded into the weights (W R^T) and applied to the cache (R c), which leaves MLA unchanged
+    and brings TPLA closer to it. Mask: causal (default) or window=; softmax_scale (None:
+    1/sqrt(qk_nope + d_r)).
+
+    Collective. Returns out [B, S_q, H, v_head] float32 on every rank. The cache is read in place
+    for head_split without a transform; TPLA copies this rank's columns of it, and a transform
+    copies the weights and the cache (per call: hold transformed tensors yourself to decode many
+    steps)."""
+    options = _scale(_mask({}, causal, window), softmax_scale)
+    mla = {"method": str(method), "transform": "none" if transform is None else str(transform),
+           "rope": str(rope), "scale_logits_by_g": scale_logits_by_g, "q_pos0": q_pos0}
+    cal = None if calibration is None else _view(calibration, "calibration")
+    res = _C.mla_decode(_view(q_nope, "q_nope"), _view(q_pe, "q_pe"), _view(c_kv, "c_kv"),
+                        _view(k_pe, "k_pe"), _view(w_uk, "w_uk"), _view(w_uv, "w_uv"), cal, mla,
+                        options, _handle(runtime))
+    return _tensor(res) if _is_torch(q_nope) else _array(res)
+
+
+# ---------------------------------------------------------------- layouts and helpers
+
+def layout_positions(kind, global_seq, rank=None, world=None, stripe_block=1, cu_seqlens=None,
+                     block=None, runtime=None):
+    """The global positions (int64 numpy array, in local order) of the tokens `rank` of `world`
+    ranks holds under a layout: contiguous, zigzag, striped (blocks of stripe_block tokens),
+    varlen (cu_seqlens; global_seq must be cu_seqlens[-1]) or blocks (whole blocks of `block`
+    tokens, contiguously: star attention's). rank and world default to this rank's cp rank and
+    the cp size of `runtime` (None: of the default runtime, i.e. every rank). Shard a global
+    tensor x [B, S, ...] with x[:, layout_positions(...)]. Not collective."""
     cu = [] if cu_seqlens is None else [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
-    return _array(_C.layout_positions(str(kind), int(global_seq),
-                                      _C.rank() if rank is None else int(rank),
-                                      _C.world_size() if world is None else int(world),
-                                      int(stripe_block), cu))
+    if rank is None or world is None:
+        if runtime is None:
+            here, ranks = _C.rank(), _C.world_size()
+        else:
+            here, ranks = runtime.cp_rank, runtime.cp_size
+        rank = here if rank is None else rank
+        world = ranks if world is None else world
+    return _array(_C.layout_positions(str(kind), int(global_seq), int(rank), int(world),
+                                      int(stripe_block), cu, 0 if block is None else int(block)))
 
 
 def allreduce_sum(x):

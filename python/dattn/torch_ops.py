@@ -62,7 +62,7 @@ def op_options(options):
     return (bool(o.get("causal", False)), float(o.get("softmax_scale", 0.0)),
             int(o.get("window_left", -1)), int(o.get("window_right", -1)),
             [int(c) for c in o.get("cu_seqlens", [])], str(o.get("layout", "contiguous")),
-            str(o.get("strategy", "ring")), int(o.get("ulysses_degree", 1)),
+            str(o.get("strategy", "ring")), int(o.get("ulysses_degree", 0)),
             int(o.get("stripe_block", 1)))
 
 

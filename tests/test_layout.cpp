@@ -457,7 +457,7 @@ TEST(VarlenLayout, DocumentChunksRAnd2PMinus1MinusR) {
 
 TEST(VarlenLayout, BadCuSeqlensIsADattnErrorNamingCuSeqlens) {
   for (const std::vector<int64_t>& cu :
-       std::vector<std::vector<int64_t>>{{1, 5, 9}, {0, 5, 5, 9}, {0, 7, 3}, {0}, {}}) {
+       std::vector<std::vector<int64_t>>{{1, 5, 9}, {0, 5, 4, 9}, {0, 7, 3}, {0}, {}}) {
     try {
       Layout::varlen(cu, 2);
       ADD_FAILURE() << "varlen with " << cu.size() << " bad cu_seqlens did not throw";

@@ -165,9 +165,9 @@ TEST(MaskValidate, NamesTheBadField) {
   EXPECT_TRUE(throws_naming([] { Mask::document({1, 5, 9}, true).validate(); }, {"cu_seqlens"}));
   EXPECT_TRUE(throws_naming(
       [] {
-        Mask::document({0, 5, 5, 9}, true).validate();
+        Mask::document({0, 0, 5, 4, 9}, true).validate();
       },
-      {"cu_seqlens", "increasing"}));
+      {"cu_seqlens[3] = 4", ">= cu_seqlens[2] = 5", "non-decreasing"}));
   EXPECT_TRUE(throws_naming(
       [] {
         Mask::document({0, 6, 3}, false).validate();
@@ -189,6 +189,10 @@ TEST(MaskValidate, NamesTheBadField) {
     EXPECT_NO_THROW(m.validate()) << m.str();
   EXPECT_NO_THROW(Mask::window(0).validate());
   EXPECT_NO_THROW(Mask::document({0, 1}, true).validate());
+  // Repeated boundaries are empty documents, anywhere.
+  for (const std::vector<int64_t>& cu : std::vector<std::vector<int64_t>>{
+           {0, 0, 9}, {0, 5, 5, 9}, {0, 5, 5, 5, 9}, {0, 9, 9}, {0, 0, 5, 5, 9, 9}})
+    EXPECT_NO_THROW(Mask::document(cu, false).validate()) << testing::PrintToString(cu);
 }
 
 TEST(MaskNames, StrAndHashDistinguishMasks) {

@@ -27,7 +27,8 @@ void ProblemOptions::add_options(po::options_description& desc) {
       ("window,W", po::value(&window_)->value_name("L[,R]"),
        "mask window: keys from q-L to q+R (R default 0)")
       ("doc-lens", po::value(&doc_lens_str_)->value_name("LIST"),
-       "comma-separated document lengths summing to the sequence length (one length only)")
+       "comma-separated document lengths (0: an empty document) summing to the sequence length "
+       "(one length only)")
       ("doc-count", po::value(&doc_count_)->value_name("N"),
        "cut each sequence length into N documents of pseudo-random lengths (fixed seed)");
   // clang-format on
@@ -44,10 +45,12 @@ void ProblemOptions::resolve(const po::variables_map& vm, int64_t seq_begin, int
   require_option(!(lens_given && count_given), "--doc-count", doc_count_,
                  "not given together with --doc-lens");
   if (lens_given) {
+    // A length 0 is an empty document (a padding slot of a packed batch), as the library takes
+    // it: a repeated cu_seqlens entry.
     const auto lens = parse_int_list(doc_lens_str_);
     require_option(
-        lens && std::all_of(lens->begin(), lens->end(), [](int64_t n) { return n >= 1; }),
-        "--doc-lens", doc_lens_str_, "comma-separated lengths >= 1");
+        lens && std::all_of(lens->begin(), lens->end(), [](int64_t n) { return n >= 0; }),
+        "--doc-lens", doc_lens_str_, "comma-separated lengths >= 0 (0: an empty document)");
     int64_t sum = 0;  // saturated: lengths past the int64 range only have to read as too many
     for (int64_t n : *lens)
       sum = n > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max()

@@ -102,7 +102,8 @@ typedef struct dattn_layout {
   dattn_layout_kind kind;
   int64_t global_seq;        /* tokens in the whole sequence; varlen: 0 or cu_seqlens[num - 1] */
   int64_t stripe_block;      /* striped: tokens per block (0 means 1); else ignored */
-  const int64_t* cu_seqlens; /* varlen: document boundaries [0, e1, ..., S]; else ignored */
+  const int64_t* cu_seqlens; /* varlen: document boundaries [0, e1, ..., S], non-decreasing (a
+                                repeated entry is an empty document); else ignored */
   int64_t num_cu_seqlens;    /* entries in cu_seqlens (documents + 1) */
 } dattn_layout;
 
@@ -133,7 +134,8 @@ typedef struct dattn_spec {
   dattn_mask_kind mask;
   int64_t window_left, window_right; /* DATTN_MASK_WINDOW: >= 0 each */
   int document_causal;               /* DATTN_MASK_DOCUMENT */
-  const int64_t* cu_seqlens;         /* DATTN_MASK_DOCUMENT: [0, e1, ..., S], S the global seq */
+  const int64_t* cu_seqlens;         /* DATTN_MASK_DOCUMENT: [0, e1, ..., S], S the global seq,
+                                        non-decreasing (a repeated entry: an empty document) */
   int64_t num_cu_seqlens;
 } dattn_spec;
 

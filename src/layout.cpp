@@ -67,7 +67,7 @@ Layout Layout::striped(int64_t global_seq, int ranks, int64_t block) {
 }
 
 Layout Layout::varlen(std::vector<int64_t> cu_seqlens, int ranks) {
-  Mask::document(cu_seqlens, false).validate();  // increasing, from 0
+  Mask::document(cu_seqlens, false).validate();  // non-decreasing, from 0
   Layout l(Kind::varlen, cu_seqlens.back(), ranks);
   const int chunks = 2 * ranks;
   std::vector<int64_t> local(size_t(ranks), 0);
@@ -78,7 +78,7 @@ Layout Layout::varlen(std::vector<int64_t> cu_seqlens, int ranks) {
     for (int r = 0; r < ranks; ++r) {
       for (int c : {r, chunks - 1 - r}) {
         const int64_t n = chunk_begin(c + 1) - chunk_begin(c);
-        if (n == 0) continue;
+        if (n == 0) continue;  // a document shorter than 2P chunks, or an empty one: no run
         l.runs_[size_t(r)].push_back(Run{local[size_t(r)], chunk_begin(c), 1, n});
         local[size_t(r)] += n;
       }

@@ -49,7 +49,8 @@ class Layout {
   static Layout striped(int64_t global_seq, int ranks, int64_t block = 1);
   // Documents packed in one sequence, boundaries cu_seqlens = [0, e1, ..., S]: each document is
   // cut into 2P chunks and rank r holds chunks r and 2P-1-r of every document (zigzag per
-  // document), so that causal work inside documents is balanced. Use with Mask::document.
+  // document), so that causal work inside documents is balanced; an empty document (a repeated
+  // entry) holds no token and adds no run. Use with Mask::document.
   static Layout varlen(std::vector<int64_t> cu_seqlens, int ranks);
   // Whole blocks of `block` tokens (the last may be partial), placed contiguously: rank r holds
   // blocks [r * nb / P, (r + 1) * nb / P) of the nb blocks. Star attention's layout.

@@ -1,7 +1,8 @@
 // Tests of the attention backward on one process: the CPU kernel (dattn::cpu::attention_backward)
 // and dattn::attention_local_backward against the float64 reference backward (itself checked
 // against finite differences of the float64 forward), over shapes straddling the tiles, GQA,
-// D_v != D, every mask, offsets, dtypes; empty rows; bitwise determinism; block accumulation.
+// D_v != D, every mask, offsets, dtypes; empty rows; bitwise determinism; block accumulation;
+// empty documents (repeated cu_seqlens entries).
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -285,6 +286,42 @@ INSTANTIATE_TEST_SUITE_P(Cases, BackwardVsReference, testing::ValuesIn(backward_
                          [](const testing::TestParamInfo<BackwardCase>& info) {
                            return info.param.name;
                          });
+
+// ---------------------------------------------------------------- empty documents
+
+// Repeated cu_seqlens entries (empty documents at the start, in the middle, in a row, at the
+// end): the gradients match the float64 reference of the boundaries without them and are, bit
+// for bit, those of the call without them. Also with queries at an offset; fp32, bf16 and fp16
+// in turn.
+TEST(BackwardEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  int n = 0;
+  for (const auto& [name, cu] : test::empty_documents_cases(300)) {
+    for (bool causal : {true, false}) {
+      const int64_t q_pos0 = n % 2 == 0 ? 0 : 120;
+      const Mask mask = Mask::document(cu, causal);
+      BackwardCase c{name, 1, 300 - q_pos0, 300, 4, 2, 64, 32, mask, dtypes[n++ % 3], q_pos0, 0};
+      SCOPED_TRACE(testing::Message() << name << " " << mask.str() << " " << dtype_name(c.dtype)
+                                      << " queries at " << q_pos0);
+      Problem p = make_problem(c, 17);
+      Problem w = p;
+      w.spec.mask = test::without_empty_documents(mask);
+      const Partial fwd = attention_local(p.q, p.k, p.v, p.spec, q_pos0, 0);
+      const Gradients g = attention_local_backward(p.q, p.k, p.v, fwd, p.dout, p.spec, q_pos0, 0);
+      const auto ref = cpu::attention_backward_reference(w.q, w.k, w.v, w.dout, w.spec, q_pos0, 0);
+      EXPECT_TRUE(grads_match(g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>(), ref));
+      const Partial fwd_w = attention_local(w.q, w.k, w.v, w.spec, q_pos0, 0);
+      const Gradients gw =
+          attention_local_backward(w.q, w.k, w.v, fwd_w, w.dout, w.spec, q_pos0, 0);
+      for (auto [x, y, what] : {std::tuple{&fwd.out, &fwd_w.out, "out"},
+                                {&fwd.lse, &fwd_w.lse, "lse"},
+                                {&g.dq, &gw.dq, "dq"},
+                                {&g.dk, &gw.dk, "dk"},
+                                {&g.dv, &gw.dv, "dv"}})
+        EXPECT_EQ(std::memcmp(x->data(), y->data(), x->nbytes()), 0) << what;
+    }
+  }
+}
 
 // ---------------------------------------------------------------- the reference itself
 

@@ -2,7 +2,8 @@
 // strategy (ring, ulysses, hybrid U = 2) under every layout and mask, each rank's dq, dk, dv
 // against the float64 reference gradients of the global tensors, the bytes sent against
 // attention_backward_send_bytes, bit-identical repeated calls, gradient error that does not grow
-// with the ranks, and a bad argument on one rank becoming an error on every rank.
+// with the ranks, a bad argument on one rank becoming an error on every rank, and document masks
+// with empty documents against the same calls without them.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -13,6 +14,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/reference.h"
@@ -267,6 +270,83 @@ INSTANTIATE_TEST_SUITE_P(Cases, Backward, testing::ValuesIn(cases()),
                          [](const testing::TestParamInfo<Case>& info) {
                            return case_name(info.param);
                          });
+
+// Document masks whose cu_seqlens repeat entries (empty documents at the start, in the middle, in
+// a row, at the end), under varlen on the same boundaries, zigzag and contiguous, for the ring,
+// Ulysses and the hybrid (U = 2 where it divides P): each rank's dq, dk, dv against the float64
+// reference gradients of the boundaries without the repeats, bit for bit those of the call
+// without them, with the bytes the model predicts. fp32 and bf16 in turn.
+TEST(BackwardEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
+  const int P = world_size();
+  const Problem pb{61, 1, 24, 12, 32, 16, DType::f32, {}};
+  struct StrategyRun {
+    Strategy strategy;
+    int ulysses;  // the runtime's degree; the byte model's is P for Ulysses
+    std::unique_ptr<Runtime> rt;
+  };
+  std::vector<StrategyRun> schedules;
+  for (auto [s, U] :
+       {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}}) {
+    if (P % U != 0) continue;
+    RuntimeOptions o;
+    o.ulysses = U;
+    schedules.push_back({s, U, std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o))});
+  }
+  int n = 0;
+  for (const auto& [name, cu] : test::empty_documents_cases(pb.S)) {
+    for (bool causal : {true, false}) {
+      const DType dt = n++ % 2 == 0 ? DType::f32 : DType::bf16;
+      const Mask mask = Mask::document(cu, causal), cut = test::without_empty_documents(mask);
+      const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
+      const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 711);
+      const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 712);
+      const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 713);
+      const Tensor dg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.Dv}, DType::f32, 714);
+      const cpu::ReferenceGrads ref = cpu::attention_backward_reference(qg, kg, vg, dg, spec_cut);
+      for (LayoutKind lk : {LayoutKind::varlen, LayoutKind::zigzag, LayoutKind::contiguous}) {
+        const bool varlen = lk == LayoutKind::varlen;
+        const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
+        const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
+        for (const StrategyRun& sc : schedules) {
+          Runtime& rt = *sc.rt;
+          const int me = rt.cp_rank();
+          const std::string where = name + " " + mask.str() + " " + dtype_name(dt) + " " +
+                                    layout.str() + " " + strategy_name(sc.strategy) +
+                                    " U=" + std::to_string(sc.ulysses) + ", rank " +
+                                    std::to_string(me);
+          const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
+                       v = layout.dispatch(vg, me), dout = layout.dispatch(dg, me);
+          const Partial fwd = attention(rt, q, k, v, spec, layout, sc.strategy);
+          rt.reset_counters();
+          const Gradients g = attention_backward(rt, q, k, v, fwd, dout, spec, layout, sc.strategy);
+          const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
+          const Partial fwd_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
+          const Gradients gc =
+              attention_backward(rt, q, k, v, fwd_cut, dout, spec_cut, layout_cut, sc.strategy);
+          for (const auto& [got, cut_got, r, H, d, what] :
+               {std::tuple{&g.dq, &gc.dq, &ref.dq, pb.Hq, pb.D, "dq"},
+                std::tuple{&g.dk, &gc.dk, &ref.dk, pb.Hkv, pb.D, "dk"},
+                std::tuple{&g.dv, &gc.dv, &ref.dv, pb.Hkv, pb.Dv, "dv"}}) {
+            const GradError e = compare_rows(*got, *r, layout, me, pb.B, pb.S, H, d);
+            EXPECT_TRUE(e.finite) << what << " has NaN/inf, " << where;
+            EXPECT_LE(e.max_err, kGradTol * e.max_ref + 1e-7)
+                << what << ": max |err| " << e.max_err << " vs max |ref| " << e.max_ref << ", "
+                << where;
+            EXPECT_EQ(std::memcmp(got->data(), cut_got->data(), got->nbytes()), 0)
+                << what << " differs from the call without empty documents, " << where;
+          }
+          const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
+          const uint64_t model =
+              attention_backward_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
+          EXPECT_EQ(sent, model) << where;
+          EXPECT_EQ(model, attention_backward_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B,
+                                                         dt, model_u, me))
+              << where;
+        }
+      }
+    }
+  }
+}
 
 // Ring backward sends, per rank, the forward's K/V hops plus dK|dV (fp32) along the same hops and
 // home: with no mask every block makes P - 1 hops and one more to get home, so each rank sends

@@ -1,7 +1,8 @@
 /* The C API (src/dattn.h) from a C99 program under mpiexec with 1-4 ranks: forward and backward
- * of every layout, mask and strategy against a naive float64 attention written here, and every
- * error path (status, a message naming the parameter, agreement across ranks, no hang).
- * A failed check prints the rank and line and aborts the job (MPI_Abort), so no rank waits. */
+ * of every layout, mask and strategy against a naive float64 attention written here (with empty
+ * documents too: repeated cu_seqlens entries), and every error path (status, a message naming the
+ * parameter, agreement across ranks, no hang). A failed check prints the rank and line and aborts
+ * the job (MPI_Abort), so no rank waits. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <math.h>
@@ -206,17 +207,22 @@ static const char* kLayoutNames[] = {"contiguous", "zigzag", "striped", "varlen"
 static const char* kMaskNames[] = {"none", "causal", "window", "document"};
 static const char* kStrategyNames[] = {"ring", "ulysses", "hybrid"};
 
-/* Forward and backward of one configuration against the float64 reference, on this rank's
- * shard. */
-static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
-                     dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
-                     int backward) {
-  static const int64_t cu[] = {0, 7, 20, 21, 37};
-  const int64_t B = 2, S = 37;
-  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, cu, 5};
+/* The documents of the cases (the reference's), and the same documents with empty ones (repeated
+ * boundaries) at the start, in the middle, in a row and at the end. */
+static const int64_t kDocs[] = {0, 7, 20, 21, 37};
+static const int64_t kEmptyDocs[] = {0, 0, 7, 20, 20, 20, 21, 37, 37};
 
-  dattn_layout layout = {lk, S, 2, cu, 5};
-  dattn_spec spec = {H, Hkv, D, Dv, 0.0f, mk, p.left, p.right, p.doc_causal, cu, 5};
+/* Forward and backward of one configuration against the float64 reference, on this rank's
+ * shard. The call takes the document boundaries cu (ncu entries; kDocs or kEmptyDocs), the
+ * reference kDocs. */
+static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
+                          dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
+                          int backward, const int64_t* cu, int64_t ncu) {
+  const int64_t B = 2, S = 37;
+  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5};
+
+  dattn_layout layout = {lk, S, 2, cu, ncu};
+  dattn_spec spec = {H, Hkv, D, Dv, 0.0f, mk, p.left, p.right, p.doc_causal, cu, ncu};
 
   int64_t n = -1;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
@@ -255,8 +261,9 @@ static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk
   const char* what_l = kLayoutNames[lk];
   const char* what_m = kMaskNames[mk];
   const char* what_s = kStrategyNames[strategy];
-  CHECK(eo < 2e-5 && el < 2e-5, "%s %s %s H=%lld/%lld: max |out err| = %g, |lse err| = %g", what_s,
-        what_l, what_m, (long long)H, (long long)Hkv, eo, el);
+  CHECK(eo < 2e-5 && el < 2e-5,
+        "%s %s %s H=%lld/%lld, %lld boundaries: max |out err| = %g, |lse err| = %g", what_s, what_l,
+        what_m, (long long)H, (long long)Hkv, (long long)ncu, eo, el);
 
   if (backward) {
     dattn_buffer dq = {xmalloc(sizeof(float) * (size_t)(B * n * H * D)), B * n * H * D};
@@ -268,8 +275,8 @@ static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk
     const double ek = diff_bshd(dk.data, rdk, B, S, Hkv * D, pos, n);
     const double ev = diff_bshd(dv.data, rdv, B, S, Hkv * Dv, pos, n);
     CHECK(eq < 5e-5 && ek < 5e-5 && ev < 5e-5,
-          "%s %s %s H=%lld/%lld: max |dq err| = %g, |dk err| = %g, |dv err| = %g", what_s, what_l,
-          what_m, (long long)H, (long long)Hkv, eq, ek, ev);
+          "%s %s %s H=%lld/%lld, %lld boundaries: max |dq err| = %g, |dk err| = %g, |dv err| = %g",
+          what_s, what_l, what_m, (long long)H, (long long)Hkv, (long long)ncu, eq, ek, ev);
     free(dq.data);
     free(dk.data);
     free(dv.data);
@@ -290,6 +297,12 @@ static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk
   free(v);
   free(dout);
   free(pos);
+}
+
+static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
+                     dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
+                     int backward) {
+  run_case_docs(rt, lk, mk, strategy, H, Hkv, D, Dv, backward, kDocs, 5);
 }
 
 /* ---------------------------------------------------------------- error paths */
@@ -437,6 +450,14 @@ static void run_error_paths(dattn_runtime* rt) {
     CHECK_FAILS(dattn_attention_forward(rt, &tq, &tk, &tk, &no_docs, &layout, DATTN_STRATEGY_RING,
                                         out, lse),
                 DATTN_ERROR_INVALID_ARGUMENT, "spec.cu_seqlens");
+    /* Repeated boundaries are empty documents; a decreasing one is an error naming its index. */
+    const int64_t down[4] = {0, 5, 4, S};
+    dattn_spec decreasing = no_docs;
+    decreasing.cu_seqlens = down;
+    decreasing.num_cu_seqlens = 4;
+    CHECK_FAILS(dattn_attention_forward(rt, &tq, &tk, &tk, &decreasing, &layout,
+                                        DATTN_STRATEGY_RING, out, lse),
+                DATTN_ERROR_INVALID_ARGUMENT, "cu_seqlens[2] = 4");
   }
 #ifndef __SANITIZE_ADDRESS__ /* AddressSanitizer reports an allocation this large, not fails it */
   /* Arguments on the last rank that need more memory than there is (2^56 document boundaries):
@@ -556,6 +577,31 @@ int main(int argc, char** argv) {
     run_case(rt, DATTN_LAYOUT_ZIGZAG, (dattn_mask_kind)mk, DATTN_STRATEGY_ULYSSES, 2 * g_size,
              g_size, 16, 16, 1);
   run_case(rt, DATTN_LAYOUT_STRIPED, DATTN_MASK_CAUSAL, DATTN_STRATEGY_RING, 4, 1, 32, 32, 1);
+  /* Empty documents: the document mask (and the varlen layout) on kEmptyDocs give the results of
+   * kDocs, with the ring and with Ulysses. */
+  for (int lk = 0; lk < 4; ++lk)
+    run_case_docs(rt, (dattn_layout_kind)lk, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_RING, 4, 2, 16, 8,
+                  1, kEmptyDocs, 9);
+  run_case_docs(rt, DATTN_LAYOUT_VARLEN, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_ULYSSES, 2 * g_size,
+                g_size, 16, 16, 1, kEmptyDocs, 9);
+  {
+    /* A varlen layout on kEmptyDocs holds the tokens of one on kDocs, in the same places. */
+    dattn_layout with = {DATTN_LAYOUT_VARLEN, 0, 0, kEmptyDocs, 9};
+    dattn_layout without = {DATTN_LAYOUT_VARLEN, 0, 0, kDocs, 5};
+    int64_t n = -1, m = -2;
+    CHECK_OK(dattn_layout_shard_len(&with, g_size, g_rank, &n));
+    CHECK_OK(dattn_layout_shard_len(&without, g_size, g_rank, &m));
+    CHECK(n == m, "varlen shard of %lld tokens with empty documents, %lld without", (long long)n,
+          (long long)m);
+    int64_t* a = xmalloc(sizeof(int64_t) * (size_t)n);
+    int64_t* b = xmalloc(sizeof(int64_t) * (size_t)n);
+    CHECK_OK(dattn_layout_positions(&with, g_size, g_rank, a, n));
+    CHECK_OK(dattn_layout_positions(&without, g_size, g_rank, b, n));
+    CHECK(n == 0 || memcmp(a, b, sizeof(int64_t) * (size_t)n) == 0,
+          "varlen positions differ with empty documents");
+    free(a);
+    free(b);
+  }
   /* Hybrid with Ulysses degree 2 on an even number of ranks. */
   if (g_size % 2 == 0) {
     dattn_runtime* hy = NULL;

@@ -1,8 +1,9 @@
 // Single-process tests of the CPU decode kernel (dattn::cpu::decode_forward) against the float64
 // reference, out and lse: few query rows (1, 2, 7, 16) against contexts that are multiples of no
 // chunk or split (1, 31, 1000, 65537), GQA 1, 4, 8, D 64 to 256 and D != Dv, fp32/bf16/fp16 caches,
-// masks and documents on global positions (strided too), merging into a running partial, empty
-// key ranges, hidden NaN, and bit-identical repeats; the MLA form (two key parts, V = the first).
+// masks and documents on global positions (strided too; empty documents among them), merging into
+// a running partial, empty key ranges, hidden NaN, and bit-identical repeats; the MLA form (two
+// key parts, V = the first).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -172,6 +173,34 @@ TEST(DecodeKernel, StridedKeyPositions) {
       DecodeCase c{7, 1500, 8, 2, 64, 64, DType::bf16, m, s.pos0, s.stride, s.block};
       SCOPED_TRACE(c.str());
       EXPECT_TRUE(decode_matches(c, 11));
+    }
+  }
+}
+
+// Empty documents (repeated cu_seqlens entries) among the keys and around the queries' document:
+// out and lse match the reference of the boundaries without them and are, bit for bit, what the
+// call without them gives; few rows and the GEMM path's many, contiguous and strided keys in turn.
+TEST(DecodeKernel, EmptyDocumentsAsIfRemoved) {
+  int n = 0;
+  for (const auto& [name, cu] : test::empty_documents_cases(1200)) {
+    for (int64_t Sq : {int64_t(3), cpu::kDecodeMaxQueryRows}) {
+      const int64_t stride = n++ % 2 == 0 ? 1 : 3;
+      DecodeCase c{Sq, 1200 / stride, 8, 2, 64, 32, DType::bf16, Mask::document(cu, true)};
+      c.k_stride = stride;
+      SCOPED_TRACE(name + " " + c.str());
+      Problem p = make_problem(c, 23);
+      PartialBuf part(c.Sq, c.Hq, c.Dv), cut(c.Sq, c.Hq, c.Dv);
+      cpu::decode_forward(make_block(p, c), part.out.data(), part.lse.data());
+      DecodeCase w = c;
+      w.mask = test::without_empty_documents(c.mask);
+      cpu::decode_forward(make_block(p, w), cut.out.data(), cut.lse.data());
+      AttnSpec spec = p.spec;
+      spec.mask = w.mask;
+      const auto ref = naive_reference(p.q, p.k, p.v, spec, p.q_pos, p.k_pos);
+      EXPECT_TRUE(matches_reference(part.out.data(), part.lse.data(), 1, c.Sq, c.Hq, c.Dv, ref,
+                                    tolerance_for(c.dtype)));
+      EXPECT_TRUE(same_bits(part.out, cut.out));
+      EXPECT_TRUE(same_bits(part.lse, cut.lse));
     }
   }
 }

@@ -422,16 +422,20 @@ TEST_F(AttentionErrors, DocumentsNotEndingAtGlobalSeq) {
   EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
   c.spec.mask = Mask::document({0, 3, c.S + 2}, false);
   EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
-  c.spec.mask = Mask::document({0, 3, 3, c.S}, true);  // not increasing
-  EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens"}));
-  // Ending at S is valid, under the ring and Ulysses (12 K/V heads divide by 1 to 4 ranks).
-  c.spec.mask = Mask::document({0, 3, c.S}, true);
+  c.spec.mask = Mask::document({0, 3, 2, c.S}, true);  // decreasing
+  EXPECT_TRUE(rejects([&] { run(c); }, {"cu_seqlens[2]", "non-decreasing"}));
+  // Ending at S is valid, under the ring and Ulysses (12 K/V heads divide by 1 to 4 ranks), and
+  // so are empty documents (repeated boundaries), also after the last token.
   c.spec.heads_kv = 12;
   c.spec.heads_q = 12;
   c.make_tensors(me);
-  for (Strategy s : {Strategy::ring, Strategy::ulysses}) {
-    Partial r = attention(*rt, c.q, c.k, c.v, c.spec, c.layout, s);
-    EXPECT_EQ(r.out.size(1), c.layout.local_len(me)) << strategy_name(s);
+  for (const std::vector<int64_t>& cu :
+       std::vector<std::vector<int64_t>>{{0, 3, c.S}, {0, 0, 3, 3, c.S}, {0, 3, c.S, c.S}}) {
+    c.spec.mask = Mask::document(cu, true);
+    for (Strategy s : {Strategy::ring, Strategy::ulysses}) {
+      Partial r = attention(*rt, c.q, c.k, c.v, c.spec, c.layout, s);
+      EXPECT_EQ(r.out.size(1), c.layout.local_len(me)) << strategy_name(s);
+    }
   }
 }
 

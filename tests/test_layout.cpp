@@ -412,11 +412,12 @@ int64_t chunk_begin(int64_t begin, int64_t len, int P, int c) {
 
 TEST(VarlenLayout, DocumentChunksRAnd2PMinus1MinusR) {
   const std::vector<std::vector<int64_t>> cus = {
-      {0, 64},                        // one document
-      {0, 1, 2, 3},                   // 1-token documents only
-      {0, 5, 6, 40, 41, 100},         // 1-token documents between longer ones
-      {0, 3, 10, 13, 50},             // documents shorter than 2P
-      {0, 17, 34, 35, 99, 128, 129},  // uneven lengths
+      {0, 64},                               // one document
+      {0, 1, 2, 3},                          // 1-token documents only
+      {0, 5, 6, 40, 41, 100},                // 1-token documents between longer ones
+      {0, 3, 10, 13, 50},                    // documents shorter than 2P
+      {0, 17, 34, 35, 99, 128, 129},         // uneven lengths
+      {0, 0, 5, 5, 5, 6, 40, 40, 100, 100},  // empty documents (repeated boundaries)
   };
   for (int P : {1, 2, 3, 4, 6}) {
     for (const auto& cu : cus) {
@@ -457,7 +458,7 @@ TEST(VarlenLayout, DocumentChunksRAnd2PMinus1MinusR) {
 
 TEST(VarlenLayout, BadCuSeqlensIsADattnErrorNamingCuSeqlens) {
   for (const std::vector<int64_t>& cu :
-       std::vector<std::vector<int64_t>>{{1, 5, 9}, {0, 5, 5, 9}, {0, 7, 3}, {0}, {}}) {
+       std::vector<std::vector<int64_t>>{{1, 5, 9}, {0, 5, 4, 9}, {0, 7, 3}, {0}, {}}) {
     try {
       Layout::varlen(cu, 2);
       ADD_FAILURE() << "varlen with " << cu.size() << " bad cu_seqlens did not throw";
@@ -465,6 +466,32 @@ TEST(VarlenLayout, BadCuSeqlensIsADattnErrorNamingCuSeqlens) {
       EXPECT_NE(std::string(e.what()).find("cu_seqlens"), std::string::npos) << e.what();
     } catch (const std::exception& e) {
       ADD_FAILURE() << "threw a non-dattn exception: " << e.what();
+    }
+  }
+}
+
+// Empty documents (repeated boundaries) hold no token: the runs are those of the boundaries
+// without them, no run is empty, and only the printed document count differs.
+TEST(VarlenLayout, EmptyDocumentsAddNoRuns) {
+  for (int P : {1, 2, 3, 4}) {
+    for (const auto& [name, cu] : test::empty_documents_cases(50)) {
+      SCOPED_TRACE(testing::Message() << "P=" << P << " " << name);
+      const Layout l = Layout::varlen(cu, P);
+      const Layout w = Layout::varlen(test::without_empty_documents(cu), P);
+      EXPECT_EQ(l.global_seq(), 50);
+      EXPECT_EQ(l.max_local_len(), w.max_local_len());
+      for (int r = 0; r < P; ++r) {
+        ASSERT_EQ(l.runs(r).size(), w.runs(r).size()) << "rank " << r;
+        for (size_t i = 0; i < l.runs(r).size(); ++i) {
+          const dattn::Run &a = l.runs(r)[i], &b = w.runs(r)[i];
+          EXPECT_GT(a.length, 0) << "rank " << r << " run " << i;
+          EXPECT_TRUE(a.local_begin == b.local_begin && a.global_begin == b.global_begin &&
+                      a.stride == b.stride && a.length == b.length && a.block == b.block)
+              << "rank " << r << " run " << i;
+        }
+      }
+      EXPECT_NE(l.str().find("docs=" + std::to_string(cu.size() - 1)), std::string::npos)
+          << l.str();
     }
   }
 }

@@ -1,10 +1,12 @@
-// Single-process tests of the masks beyond none/causal (sliding windows, documents): Mask::cover
-// and Mask::visible against brute force, validation, str/hash, the FLOP model, and the CPU kernel
-// (attention_local, attention_forward, block-strided positions) against the float64 references.
+// Single-process tests of the masks beyond none/causal (sliding windows, documents, empty ones
+// among them): Mask::cover and Mask::visible against brute force, validation, str/hash, the FLOP
+// model, and the CPU kernel (attention_local, attention_forward, block-strided positions) against
+// the float64 references.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -22,9 +24,11 @@
 namespace dattn {
 namespace {
 
+using test::empty_documents_cases;
 using test::matches_reference;
 using test::random_tensor;
 using test::tolerance_for;
+using test::without_empty_documents;
 
 using test::throws_naming;
 
@@ -53,11 +57,17 @@ std::vector<Mask> masks_for(int64_t S) {
   ms.push_back(Mask::document({0, S / 2, S}, false));
   ms.push_back(banded_documents(cu, 2, 0));
   ms.push_back(banded_documents({0, S / 2, S}, 3, 1));
+  // Empty documents (repeated boundaries): at the start, several in a row, at the end.
+  const std::vector<int64_t> empty = {0, 0, 1, S / 3, S / 3, S / 3, S - 2, S, S};
+  ms.push_back(Mask::document(empty, true));
+  ms.push_back(Mask::document(empty, false));
+  ms.push_back(banded_documents(empty, 2, 1));
   return ms;
 }
 
 // The definition of visibility written out: in the band, and in the same document (found by a
-// linear scan of cu_seqlens).
+// linear scan of cu_seqlens: the last boundary at or below pos, which of repeated boundaries is
+// the last, the start of the non-empty document that holds pos).
 int64_t document_by_scan(const Mask& m, int64_t pos) {
   if (!m.documents) return 0;
   const auto& cu = *m.documents;
@@ -100,6 +110,47 @@ TEST(MaskVisible, MatchesTheDefinition) {
   EXPECT_EQ(doc.document_of(0), 0);
   EXPECT_EQ(doc.document_of(4), 1);
   EXPECT_EQ(doc.document_of(8), 2);
+}
+
+// Empty documents change nothing: two positions are in the same document exactly when no
+// boundary lies in (min, max] (a definition without document numbers), and every pair sees what
+// it sees with the repeated boundaries removed.
+TEST(MaskVisible, EmptyDocumentsAsIfRemoved) {
+  const int64_t S = 23;
+  for (const auto& [name, cu] : empty_documents_cases(S)) {
+    for (const Mask& m :
+         {Mask::document(cu, true), Mask::document(cu, false), banded_documents(cu, 3, 1)}) {
+      SCOPED_TRACE(name + " " + m.str());
+      ASSERT_NO_THROW(m.validate());
+      const Mask without = without_empty_documents(m);
+      for (int64_t q = 0; q < S; ++q) {
+        for (int64_t k = 0; k < S; ++k) {
+          bool same_document = true;
+          for (int64_t c : cu)
+            same_document = same_document && !(std::min(q, k) < c && c <= std::max(q, k));
+          ASSERT_EQ(m.visible(q, k), m.in_band(q, k) && same_document) << "q=" << q << " k=" << k;
+          ASSERT_EQ(m.visible(q, k), without.visible(q, k)) << "q=" << q << " k=" << k;
+        }
+      }
+      for (int64_t ql = 0; ql < S; ql += 3)
+        for (int64_t qh = ql; qh < S; qh += 2)
+          for (int64_t kl = 0; kl < S; kl += 3)
+            for (int64_t kh = kl; kh < S; kh += 2)
+              ASSERT_EQ(m.cover(ql, qh, kl, kh), without.cover(ql, qh, kl, kh))
+                  << "q [" << ql << ", " << qh << "] k [" << kl << ", " << kh << "]";
+    }
+  }
+  // The document numbers count the empty ones: a position is in the last of equal boundaries'
+  // documents.
+  const Mask doc = Mask::document({0, 0, 4, 4, 4, 9, 9}, true);
+  EXPECT_EQ(doc.document_of(0), 1);
+  EXPECT_EQ(doc.document_of(3), 1);
+  EXPECT_EQ(doc.document_of(4), 4);
+  EXPECT_EQ(doc.document_of(8), 4);
+  EXPECT_TRUE(doc.visible(3, 0));
+  EXPECT_FALSE(doc.visible(4, 3));
+  EXPECT_TRUE(doc.visible(8, 4));
+  EXPECT_EQ(doc.str(), "document(6 docs, causal)");
 }
 
 // Checks cover on the block [q_lo, q_hi] x [k_lo, k_hi] against its pairs: never "none" when a
@@ -165,9 +216,9 @@ TEST(MaskValidate, NamesTheBadField) {
   EXPECT_TRUE(throws_naming([] { Mask::document({1, 5, 9}, true).validate(); }, {"cu_seqlens"}));
   EXPECT_TRUE(throws_naming(
       [] {
-        Mask::document({0, 5, 5, 9}, true).validate();
+        Mask::document({0, 0, 5, 4, 9}, true).validate();
       },
-      {"cu_seqlens", "increasing"}));
+      {"cu_seqlens[3] = 4", ">= cu_seqlens[2] = 5", "non-decreasing"}));
   EXPECT_TRUE(throws_naming(
       [] {
         Mask::document({0, 6, 3}, false).validate();
@@ -189,6 +240,10 @@ TEST(MaskValidate, NamesTheBadField) {
     EXPECT_NO_THROW(m.validate()) << m.str();
   EXPECT_NO_THROW(Mask::window(0).validate());
   EXPECT_NO_THROW(Mask::document({0, 1}, true).validate());
+  // Repeated boundaries are empty documents, anywhere.
+  for (const std::vector<int64_t>& cu : std::vector<std::vector<int64_t>>{
+           {0, 0, 9}, {0, 5, 5, 9}, {0, 5, 5, 5, 9}, {0, 9, 9}, {0, 0, 5, 5, 9, 9}})
+    EXPECT_NO_THROW(Mask::document(cu, false).validate()) << testing::PrintToString(cu);
 }
 
 TEST(MaskNames, StrAndHashDistinguishMasks) {
@@ -260,6 +315,7 @@ TEST(MaskFlops, WindowAndDocumentCountVisiblePairs) {
     int64_t Sq, Sk;
   };
   const std::vector<int64_t> cu = {0, 1, 17, 18, 40, 77};
+  const std::vector<int64_t> empty = {0, 0, 1, 17, 17, 17, 18, 40, 77, 77};  // empty documents
   const std::vector<Case> cases = {
       {Mask::window(0), 77, 77},
       {Mask::window(5), 77, 77},
@@ -273,12 +329,19 @@ TEST(MaskFlops, WindowAndDocumentCountVisiblePairs) {
       {Mask::document(cu, false), 77, 77},
       {Mask::document({0, 77}, false), 77, 77},
       {banded_documents(cu, 4, 1), 77, 77},
+      {Mask::document(empty, true), 77, 77},
+      {Mask::document(empty, false), 77, 77},
+      {banded_documents(empty, 4, 1), 77, 77},
+      {Mask::document(empty, true), 50, 77},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << c.mask.str() << " Sq=" << c.Sq << " Sk=" << c.Sk);
     spec.mask = c.mask;
     const double expect = visible_pairs(c.mask, c.Sq, c.Sk) * 2.0 * double(D + Dv) * B * H;
     EXPECT_NEAR(attention_flops(B, c.Sq, c.Sk, spec), expect, 1e-9 * expect);
+    AttnSpec without = spec;
+    without.mask = without_empty_documents(c.mask);
+    EXPECT_EQ(attention_flops(B, c.Sq, c.Sk, spec), attention_flops(B, c.Sq, c.Sk, without));
   }
 }
 
@@ -368,6 +431,45 @@ INSTANTIATE_TEST_SUITE_P(Cases, MaskedKernel, testing::ValuesIn(masked_cases()),
                            return info.param.name;
                          });
 
+// Empty documents in the kernel: attention_local with repeated boundaries (at the start, in the
+// middle, in a row, at the end; also on the query and key tile edges 256 and 512) against the
+// float64 reference of the mask without them, and bit for bit what the call without them gives.
+// Also with queries at an offset (a shard past the first documents). fp32 and bf16 alternate.
+TEST(MaskedKernelEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
+  const int64_t S = 600, H = 2, D = 32;
+  std::vector<test::EmptyDocumentsCase> cases = empty_documents_cases(S);
+  cases.push_back({"on_tile_edges", {0, 0, 1, 256, 256, 512, 512, 512, 600, 600}});
+  int n = 0;
+  for (const auto& [name, cu] : cases) {
+    for (const Mask& m :
+         {Mask::document(cu, true), Mask::document(cu, false), banded_documents(cu, 40, 3)}) {
+      const DType dt = n++ % 2 == 0 ? DType::f32 : DType::bf16;
+      for (int64_t q_pos0 : {int64_t(0), int64_t(300)}) {
+        const int64_t Sq = S - q_pos0;
+        SCOPED_TRACE(testing::Message() << name << " " << m.str() << " " << dtype_name(dt)
+                                        << " queries at " << q_pos0);
+        AttnSpec spec;
+        spec.heads_q = H;
+        spec.heads_kv = 1;
+        spec.head_dim = D;
+        spec.mask = m;
+        AttnSpec without = spec;
+        without.mask = without_empty_documents(m);
+        Tensor q = random_tensor({1, Sq, H, D}, dt, 51);
+        Tensor k = random_tensor({1, S, 1, D}, dt, 52);
+        Tensor v = random_tensor({1, S, 1, D}, dt, 53);
+        const auto ref = cpu::attention_reference(q, k, v, without, q_pos0, 0);
+        const Partial r = attention_local(q, k, v, spec, q_pos0, 0);
+        EXPECT_TRUE(matches_reference(r.out.ptr<float>(), r.lse.ptr<float>(), 1, Sq, H, D, ref,
+                                      tolerance_for(dt)));
+        const Partial w = attention_local(q, k, v, without, q_pos0, 0);
+        EXPECT_EQ(std::memcmp(r.out.data(), w.out.data(), r.out.nbytes()), 0) << "out";
+        EXPECT_EQ(std::memcmp(r.lse.data(), w.lse.data(), r.lse.nbytes()), 0) << "lse";
+      }
+    }
+  }
+}
+
 // Query and key rows at block-strided positions (the striped layout with blocks > 1): row i at
 // pos0 + (i / block) * stride + i % block. Against the independent reference on the explicit
 // positions, under every kind of mask.
@@ -397,6 +499,7 @@ TEST(MaskedKernelPositions, BlockStridedPositions) {
       Mask::window(40, 9),
       Mask::document({0, 1, 100, 101, 700, 1500, 1501, span}, true),
       Mask::document({0, 7, 250, 251, 1100, span}, false),
+      Mask::document({0, 0, 1, 100, 100, 101, 700, 1500, 1500, 1501, span, span}, true),  // empty
   };
   // fp32 and bf16 alternate over the (geometry, mask) pairs.
   for (size_t gi = 0; gi < geometries.size(); ++gi) {

@@ -20,6 +20,7 @@
 #include "src/base/error.h"
 #include "src/layout.h"
 #include "src/models.h"
+#include "tests/test_reference.h"
 
 namespace dattn {
 namespace {
@@ -127,6 +128,8 @@ struct Problem {
   std::string name;
 };
 
+// Documents over S tokens; in a third of the draws some boundaries repeat (empty documents, also
+// at the start and the end).
 std::vector<int64_t> random_documents(std::mt19937_64& rng, int64_t S) {
   std::vector<int64_t> cu = {0};
   const int64_t docs = int64_t(rng() % 6) + 1;
@@ -134,6 +137,11 @@ std::vector<int64_t> random_documents(std::mt19937_64& rng, int64_t S) {
     cu.push_back(cu.back() + 1 + int64_t(rng() % uint64_t(S - cu.back() - 1)));
   if (S > cu.back()) cu.push_back(S);
   if (cu.size() < 2) cu.push_back(1);
+  if (rng() % 3 == 0)
+    for (int n = int(rng() % 4) + 1; n > 0; --n) {
+      const size_t i = size_t(rng() % cu.size());
+      cu.insert(cu.begin() + std::ptrdiff_t(i), cu[i]);
+    }
   return cu;
 }
 
@@ -251,8 +259,10 @@ TEST(ClosedFormModels, EqualTheTileWalkOnLongRuns) {
   spec.head_dim = 64;
   const int64_t S = 200003;
   const std::vector<int64_t> cu = {0, 1, 7000, 70001, 70002, 150000, S};
-  std::vector<Mask> masks = {Mask::causal(), Mask::window(3000), Mask::window(257, 1300),
-                             Mask::document(cu, true), Mask::document(cu, false)};
+  const std::vector<int64_t> empty = {0, 0, 1, 7000, 7000, 70001, 70002, 70002, 150000, S, S};
+  std::vector<Mask> masks = {
+      Mask::causal(),           Mask::window(3000),        Mask::window(257, 1300),
+      Mask::document(cu, true), Mask::document(cu, false), Mask::document(empty, true)};
   masks.push_back(Mask::document(cu, true));
   masks.back().left = 20000;
   for (int P : {2, 3}) {
@@ -266,6 +276,57 @@ TEST(ClosedFormModels, EqualTheTileWalkOnLongRuns) {
           ASSERT_EQ(attention_rank_flops(Strategy::ring, l, spec, 1, 1, r),
                     walked_rank_flops(Strategy::ring, l, spec, 1, 1, r))
               << "rank " << r;
+      }
+    }
+  }
+}
+
+// Empty documents (repeated boundaries) change no figure: every model gives, for every rank, what
+// it gives for the boundaries without them, under varlen (on the same boundaries), zigzag and
+// contiguous, with document masks causal, full and with a window.
+TEST(ClosedFormModels, EmptyDocumentsAsIfRemoved) {
+  const int64_t S = 61, B = 2;
+  AttnSpec spec;
+  spec.heads_q = 8;
+  spec.heads_kv = 4;
+  spec.head_dim = 64;
+  spec.head_dim_v = 32;
+  for (int P : {1, 2, 3, 4}) {
+    for (const auto& [name, cu] : test::empty_documents_cases(S)) {
+      const std::vector<int64_t> cut = test::without_empty_documents(cu);
+      Mask windowed = Mask::document(cu, true);
+      windowed.left = 9;
+      for (const Mask& m : {Mask::document(cu, true), Mask::document(cu, false), windowed}) {
+        for (const char* kind : {"varlen", "zigzag", "contiguous"}) {
+          const bool varlen = std::string(kind) == "varlen";
+          const Layout l = varlen ? Layout::varlen(cu, P) : Layout::make(kind, S, P);
+          const Layout lw = varlen ? Layout::varlen(cut, P) : l;
+          AttnSpec s = spec, w = spec;
+          s.mask = m;
+          w.mask = test::without_empty_documents(m);
+          SCOPED_TRACE(name + " " + l.str() + " " + m.str());
+          EXPECT_EQ(attention_flops(B, S, S, s), attention_flops(B, S, S, w));
+          for (int r = 0; r < P; ++r) {
+            EXPECT_EQ(ring_send_bytes(l, s, B, DType::bf16, r),
+                      ring_send_bytes(lw, w, B, DType::bf16, r));
+            EXPECT_EQ(ring_backward_send_bytes(l, s, B, DType::bf16, r),
+                      ring_backward_send_bytes(lw, w, B, DType::bf16, r));
+            for (int step = 0; step < P; ++step)
+              EXPECT_EQ(ring_forwards(l, s.mask, r, step), ring_forwards(lw, w.mask, r, step));
+            for (int U = 1; U <= P; ++U) {
+              if (P % U != 0 || spec.heads_kv % U != 0) continue;
+              const Strategy st = U == 1   ? Strategy::ring
+                                  : U == P ? Strategy::ulysses
+                                           : Strategy::hybrid;
+              EXPECT_EQ(attention_rank_flops(st, l, s, B, U, r),
+                        attention_rank_flops(st, lw, w, B, U, r));
+              EXPECT_EQ(attention_send_bytes(st, l, s, B, DType::f16, U, r),
+                        attention_send_bytes(st, lw, w, B, DType::f16, U, r));
+              EXPECT_EQ(attention_backward_send_bytes(st, l, s, B, DType::f16, U, r),
+                        attention_backward_send_bytes(st, lw, w, B, DType::f16, U, r));
+            }
+          }
+        }
       }
     }
   }

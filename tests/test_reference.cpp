@@ -1,6 +1,6 @@
-// Test support: seeded tensors, the independent float64 attention and the comparison of a
-// partial against a reference, with the tolerances every test uses and why they are what they
-// are.
+// Test support: seeded tensors, the independent float64 attention, the empty-document cases, and
+// the comparison of a partial against a reference, with the tolerances every test uses and why
+// they are what they are.
 #include "tests/test_reference.h"
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 
@@ -107,6 +108,34 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
     }
   }
   return r;
+}
+
+// ---------------------------------------------------------------- empty documents
+
+std::vector<int64_t> without_empty_documents(std::vector<int64_t> cu) {
+  cu.erase(std::unique(cu.begin(), cu.end()), cu.end());
+  return cu;
+}
+
+Mask without_empty_documents(const Mask& mask) {
+  if (!mask.documents) return mask;
+  Mask m = mask;
+  m.documents =
+      std::make_shared<const std::vector<int64_t>>(without_empty_documents(*mask.documents));
+  return m;
+}
+
+std::vector<EmptyDocumentsCase> empty_documents_cases(int64_t S) {
+  DATTN_ASSERT(S >= 4);
+  const int64_t a = S / 4, b = S / 2, c = S / 2 + 1;  // 0 < a < b < c < S
+  return {
+      {"at_start", {0, 0, a, b, c, S}},
+      {"in_middle", {0, a, b, b, c, S}},
+      {"in_a_row", {0, a, a, a, a, b, c, S}},
+      {"at_end", {0, a, b, c, S, S}},
+      {"everywhere", {0, 0, 0, a, b, b, c, c, c, S, S, S}},
+      {"around_one_document", {0, 0, S, S}},
+  };
 }
 
 // ---------------------------------------------------------------- comparison

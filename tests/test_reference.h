@@ -1,6 +1,7 @@
 // Test support shared by every test binary: deterministic random tensors, an independent
-// float64 attention with arbitrary token positions, and the comparison of a dattn partial
-// (out, lse; fp32) against a float64 reference with per-dtype tolerances.
+// float64 attention with arbitrary token positions, cu_seqlens with empty documents and the same
+// without them, and the comparison of a dattn partial (out, lse; fp32) against a float64
+// reference with per-dtype tolerances.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -41,6 +42,24 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
                                      const std::vector<int64_t>& k_pos);
 // Positions begin, begin + stride, ... (n of them).
 std::vector<int64_t> positions(int64_t begin, int64_t n, int64_t stride = 1);
+
+// ---------------------------------------------------------------- empty documents
+
+// cu_seqlens with its repeated entries (empty documents) removed: the boundaries of the same
+// non-empty documents, which a call with empty documents must treat exactly as it treats these.
+std::vector<int64_t> without_empty_documents(std::vector<int64_t> cu);
+// The mask with its documents' repeated boundaries removed; a mask without documents unchanged.
+Mask without_empty_documents(const Mask& mask);
+
+// cu_seqlens over S >= 4 tokens (documents [0, S/4), [S/4, S/2), a 1-token one at S/2 and the
+// rest) with empty documents where packed batches put them: at the start, in the middle (before
+// the 1-token document), several in a row, at the end, all of these at once, and around a single
+// document.
+struct EmptyDocumentsCase {
+  std::string name;
+  std::vector<int64_t> cu;
+};
+std::vector<EmptyDocumentsCase> empty_documents_cases(int64_t S);
 
 // ---------------------------------------------------------------- comparison
 

@@ -18,7 +18,7 @@ namespace dattn::cuda {
 // fp16 (the default dtype here is bf16), and its mask by value, as a kernel reads it: a query at
 // position q sees a key at position k when k is in [q - left, q + right] (-1: no limit on that
 // side) and, when cu_seqlens is given, both lie in the same document. cu_seqlens is a DEVICE
-// array of num_docs + 1 increasing int64 boundaries (as Mask::document's), or null for one
+// array of num_docs + 1 non-decreasing int64 boundaries (as Mask::document's), or null for one
 // document. set_mask fills these four fields from a Mask.
 struct AttentionBlock : BlockOfWork {
   AttentionBlock() { dtype = DType::bf16; }

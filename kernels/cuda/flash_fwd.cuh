@@ -112,7 +112,8 @@ __device__ __forceinline__ int64_t row_position(int64_t i, int64_t pos0, int64_t
   return pos0 + (i / block) * stride + i % block;
 }
 
-// The document holding pos: (number of cu_seqlens entries <= pos) - 1, as upper_bound - 1.
+// The document holding pos: (number of cu_seqlens entries <= pos) - 1, as upper_bound - 1; of
+// equal entries (empty documents) that is the last, the document pos is in.
 __device__ __forceinline__ int64_t document_of(const FlashParams& p, int64_t pos) {
   if (p.cu_seqlens == nullptr || p.num_docs <= 0) return 0;
   int64_t lo = 0, n = p.num_docs + 1;

@@ -65,10 +65,15 @@ void Mask::validate() const {
   DATTN_CHECK_ARG(cu.size() >= 2, "cu_seqlens size", cu.size(),
                   ">= 2 ([0, end of document 1, ..., total])");
   DATTN_CHECK_ARG(cu[0] == 0, "cu_seqlens[0]", cu[0], "0");
+  // A repeated entry is a document of no tokens (a padding slot of a packed batch). Nothing
+  // needs them removed: document_of(pos) is the last boundary at or below pos, which among equal
+  // boundaries is the last, so a position always lands in the non-empty document that holds it,
+  // and document numbers are only compared (equal, before, after), which empty documents do not
+  // change. Keeping them keeps the caller's numbering in messages and str().
   for (size_t i = 1; i < cu.size(); ++i)
-    DATTN_CHECK_ARG(
-        cu[i] > cu[i - 1], detail::cat("cu_seqlens[", i, "]"), cu[i],
-        detail::cat("> cu_seqlens[", i - 1, "] = ", cu[i - 1], " (strictly increasing)"));
+    DATTN_CHECK_ARG(cu[i] >= cu[i - 1], detail::cat("cu_seqlens[", i, "]"), cu[i],
+                    detail::cat(">= cu_seqlens[", i - 1, "] = ", cu[i - 1],
+                                " (non-decreasing; a repeated entry is an empty document)"));
 }
 
 std::string AttnSpec::str() const {

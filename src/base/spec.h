@@ -16,8 +16,9 @@ namespace dattn {
 // the band [q - left, q + right] (-1: no limit on that side) and, with documents, in q's document.
 //   none: left = right = -1          causal: right = 0
 //   sliding window w: left = w, right = 0 (or a right window too)
-//   documents (varlen, packed sequences): boundaries cu_seqlens = [0, e1, e2, ..., S], with or
-//   without causal inside each document.
+//   documents (varlen, packed sequences): boundaries cu_seqlens = [0, e1, e2, ..., S],
+//   non-decreasing (a repeated entry is an empty document), with or without causal inside each
+//   document.
 struct Mask {
   int64_t left = -1;
   int64_t right = -1;
@@ -37,10 +38,12 @@ struct Mask {
   bool operator==(const Mask& o) const;
   std::string str() const;  // "none", "causal", "window(128,0)", "document(3 docs, causal)"
   uint64_t hash() const;
-  // Throws dattn::Error naming the bad field (negative sizes, cu_seqlens not increasing).
+  // Throws dattn::Error naming the bad field (negative sizes, cu_seqlens not starting at 0 or
+  // decreasing).
   void validate() const;
 
-  // The document holding position pos (0 without documents).
+  // The document holding position pos (0 without documents): the last d with cu_seqlens[d] <=
+  // pos, so of equal boundaries (empty documents) the last one, the document pos is in.
   int64_t document_of(int64_t pos) const {
     if (!documents) return 0;
     const auto& cu = *documents;

@@ -21,7 +21,7 @@ using dattn::Mask;
 
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 
-// The document of pos by a linear scan (cu_seqlens validated: increasing from 0).
+// The document of pos by a linear scan (cu_seqlens validated: non-decreasing from 0).
 int64_t document_by_scan(const Mask& m, int64_t pos) {
   if (!m.documents) return 0;
   int64_t d = 0;

@@ -1,6 +1,6 @@
 // GPU tests of the CUDA kernels: dattn::cuda::attention_forward against the float64 reference
 // over the CPU kernel's case table (bf16 and fp16 inputs; masks: causal, windows, documents;
-// GQA, D != Dv, offsets, strided positions), merging, empty rows, validation; and
+// GQA, D != Dv, offsets, strided positions), empty documents, merging, empty rows, validation; and
 // dattn::cuda::mla_decode_forward against a float64 absorbed-MLA decode computed here.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -253,6 +253,42 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaKernelVsReference, testing::ValuesIn(all_par
                            return info.param.c.name + "_" +
                                   (info.param.dt == DType::bf16 ? "bf16" : "fp16");
                          });
+
+// ---------------------------------------------------------------- empty documents
+
+// Repeated cu_seqlens entries (empty documents at the start, in the middle, in a row, at the
+// end): the forward matches the float64 reference of the boundaries without them and is, bit for
+// bit, what the kernel gives without them (the device's binary search lands on the last of equal
+// boundaries). Causal and not, queries at 0 and at an offset, bf16 and fp16 in turn.
+TEST(CudaKernelEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
+  int n = 0;
+  for (const auto& [name, cu] : test::empty_documents_cases(260)) {
+    for (bool causal : {true, false}) {
+      const DType dt = n % 2 == 0 ? DType::bf16 : DType::f16;
+      const int64_t q_pos0 = n++ % 3 == 2 ? 100 : 0;
+      GpuCase c{name, 1, 260 - q_pos0, 260, 4, 2, 64, 0, MaskKind::document, q_pos0, 0};
+      c.cu = cu;
+      c.doc_causal = causal;
+      GpuCase w = c;
+      w.cu = test::without_empty_documents(cu);
+      SCOPED_TRACE(testing::Message() << name << (causal ? " causal " : " full ") << dtype_name(dt)
+                                      << " queries at " << q_pos0);
+      const Problem p = make_problem(c, dt), pw = make_problem(w, dt);
+      GpuProblem g(p), gw(pw);
+      cuda::AttentionBlock blk = g.block(), blk_w = gw.block();
+      blk.q_pos0 = blk_w.q_pos0 = q_pos0;
+      g.forward(blk);
+      gw.forward(blk_w);
+      const auto ref = cpu::attention_reference(pw.q, pw.k, pw.v, pw.spec, q_pos0, 0);
+      EXPECT_TRUE(matches_reference(g.h_out.data(), g.h_lse.data(), c.B, c.Sq, c.Hq, p.spec.dim_v(),
+                                    ref, gpu_tolerance(dt)));
+      EXPECT_EQ(std::memcmp(g.h_out.data(), gw.h_out.data(), g.h_out.size() * sizeof(float)), 0)
+          << "out differs from the call without empty documents";
+      EXPECT_EQ(std::memcmp(g.h_lse.data(), gw.h_lse.data(), g.h_lse.size() * sizeof(float)), 0)
+          << "lse differs from the call without empty documents";
+    }
+  }
+}
 
 // ---------------------------------------------------------------- error budget
 

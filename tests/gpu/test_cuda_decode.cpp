@@ -1,7 +1,8 @@
 // GPU tests of the CUDA split-KV decode kernel: dattn::cuda::decode_forward against the float64
 // reference (out and lse) over S_q = 1..16, GQA 1/4/8, D 64..256 and D != Dv, contexts that fill no
-// tile or split, bf16 and fp16, masks and documents on global positions; merging into a running
-// partial, empty key ranges, hidden NaN, run-to-run bits, validation, and the dispatch's rule.
+// tile or split, bf16 and fp16, masks and documents on global positions (empty documents too);
+// merging into a running partial, empty key ranges, hidden NaN, run-to-run bits, validation, and
+// the dispatch's rule.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -191,6 +192,36 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaDecodeVsReference, testing::ValuesIn(all_par
                            return info.param.c.name + "_" +
                                   (info.param.dt == DType::bf16 ? "bf16" : "fp16");
                          });
+
+// ---------------------------------------------------------------- empty documents
+
+// Repeated cu_seqlens entries among the keys (empty documents at the start, in the middle, in a
+// row, at the end): the decode matches the float64 reference of the boundaries without them and
+// is, bit for bit, what the kernel gives without them. The queries sit in the last document and
+// at its start, contiguous and strided keys, bf16 and fp16 in turn.
+TEST(CudaDecodeEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
+  int n = 0;
+  for (const auto& [name, cu] : test::empty_documents_cases(1000)) {
+    const DType dt = n % 2 == 0 ? DType::bf16 : DType::f16;
+    const int64_t stride = n++ % 3 == 1 ? 2 : 1;
+    for (int64_t q_pos0 : {int64_t(995), int64_t(498)}) {
+      DecodeCase c{name,   1, 5, 1000 / stride, 4, 1, 64, 0, Mask::document(cu, true),
+                   q_pos0, 1, 0, stride};
+      DecodeCase w = c;
+      w.mask = test::without_empty_documents(c.mask);
+      SCOPED_TRACE(testing::Message() << name << " " << dtype_name(dt) << " queries at " << q_pos0
+                                      << " keys every " << stride);
+      DecodeProblem p(c, dt), pw(w, dt);
+      p.decode(p.block());
+      pw.decode(pw.block());
+      EXPECT_TRUE(p.matches(pw.reference()));
+      EXPECT_EQ(std::memcmp(p.h_out.data(), pw.h_out.data(), p.h_out.size() * sizeof(float)), 0)
+          << "out differs from the call without empty documents";
+      EXPECT_EQ(std::memcmp(p.h_lse.data(), pw.h_lse.data(), p.h_lse.size() * sizeof(float)), 0)
+          << "lse differs from the call without empty documents";
+    }
+  }
+}
 
 // ---------------------------------------------------------------- merging and sub-ranges
 

@@ -3,9 +3,9 @@
 # --version answer; a bad option or an impossible plan prints one error (not one per rank) and
 # every rank exits non-zero without hanging; --config takes the command line's keys and loses to
 # it; --dry-run plans 1024 ranks without computing; --tp splits heads and stays correct (#wrong 0
-# against float64, the check on by default); -k 0 leaves #wrong N/A; --compare reruns the largest
-# case per value and prints the ratio; --json rows carry the common keys; launch/mpirun.sh gives
-# a lone rank all the cores.
+# against float64, the check on by default); --doc-lens takes empty documents (0) and the run
+# stays correct; -k 0 leaves #wrong N/A; --compare reruns the largest case per value and prints
+# the ratio; --json rows carry the common keys; launch/mpirun.sh gives a lone rank all the cores.
 #   bash tests/launch/run_test.sh REPO BIN_DIR
 set -euo pipefail
 repo=${1:?REPO}
@@ -91,6 +91,8 @@ expect_error "ulysses heads per tp slice" 4 "invalid --kv-heads / --tp = 1" \
   prefill --tp 2 -a ulysses
 expect_error "world-size without dry-run" 2 "invalid --world-size = 8" prefill --world-size 8
 expect_error "unknown device" 2 "invalid --device = tpu" prefill --device tpu
+expect_error "negative document length" 2 "invalid --doc-lens = 30,-1,71" \
+  prefill -s 100 -m document --doc-lens 30,-1,71
 expect_error "unknown option" 2 "unrecognised option '--bogus'" decode --bogus 1
 expect_error "-c is gone (-m says it)" 2 "unrecognised option '-c'" prefill -c 0
 expect_error "bad --compare key" 2 "invalid --compare = bogus=1,2" prefill --compare bogus=1,2
@@ -138,6 +140,8 @@ for np in 1 3; do
 done
 expect_ok "prefill, the check by default" 2 prefill -s 256 -n 1 -w 0 &&
   wrong_is_zero "prefill default check" "$work/out"
+expect_ok "prefill with empty documents, checked" 3 prefill -s 100 -n 1 -w 0 -k 1 -m document \
+  --doc-lens 0,30,0,0,50,20,0 -l varlen && wrong_is_zero "prefill empty documents" "$work/out"
 if expect_ok "prefill -k 0" 2 prefill -s 256 -n 1 -w 0 -k 0; then
   checks=$((checks + 1))
   if [[ $(data_rows "$work/out" | awk '{print $NF}') == N/A ]]; then pass "-k 0: #wrong N/A"

@@ -88,9 +88,13 @@ def make_inputs(seed, B, S, H, Hkv, D):
 def run_config(idx, strategy, layout, mask, B, S, H, Hkv, D, stripe_block=1, ulysses=None):
     """Forward and backward of one configuration against the float64 reference; returns the
     configuration's name and its relative errors on this rank."""
-    # Four documents, one of a single token. A varlen layout shards by documents, and a token
-    # then sees only its own document: the mask's band applies inside documents.
+    # Four documents, one of a single token; every other configuration adds empty documents
+    # (repeated boundaries, as padded packed batches have) at the start, inside and at the end.
+    # A varlen layout shards by documents, and a token then sees only its own document: the
+    # mask's band applies inside documents.
     cu = [0, S // 5, S // 2, S // 2 + 1, S]
+    if idx % 2:
+        cu = [0, 0, S // 5, S // 5, S // 5, S // 2, S // 2 + 1, S, S]
     docs = cu if layout == "varlen" or mask == "document" else None
     q, k, v, dout = make_inputs(1000 + idx, B, S, H, Hkv, D)
     scale = 1.0 / D ** 0.5

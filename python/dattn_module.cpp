@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
 #include <iterator>
 #include <memory>
@@ -976,17 +977,32 @@ Buffer mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tupl
   return to_buffer(std::move(out));
 }
 
-// Sums a C-contiguous float64 buffer over every rank, in place.
+// Sums a C-contiguous float64 buffer over every rank of MPI_COMM_WORLD, in place, through the
+// default runtime's communicator, so that its watchdog (RuntimeOptions::timeout_s) ends a job
+// whose ranks stop meeting here, as in the library's own collectives. Its communicator has no
+// float64 reduction, so each chunk is allgathered and summed here in rank order: the same
+// result, bit for bit, on every rank, and memory for ranks x kChunk values at most.
 void allreduce_sum(const py::buffer& buffer) {
-  require_mpi();
   const py::buffer_info a = buffer.request(true);
   if (format_code(a.format) != 'd' || a.itemsize != 8 || !c_contiguous(a))
     DATTN_THROW_KIND(dattn::ErrorKind::internal,
                      "internal error: allreduce_sum takes a C-contiguous float64 array");
-  DATTN_CHECK_ARG(a.size <= INT_MAX, "allreduce_sum size", a.size, cat("<= ", INT_MAX));
+  dattn::Communicator& comm = get(*default_handle()).cp().control();
+  double* data = static_cast<double*>(a.ptr);
+  const size_t n = size_t(a.size), ranks = size_t(comm.size());
+  constexpr size_t kChunk = size_t(1) << 16;
+  std::vector<double> all(ranks * std::min(n, kChunk));
   py::gil_scoped_release release;
-  DATTN_MPI_CHECK(
-      MPI_Allreduce(MPI_IN_PLACE, a.ptr, int(a.size), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  for (size_t begin = 0; begin < n; begin += kChunk) {
+    const size_t count = std::min(kChunk, n - begin);
+    comm.allgather(data + begin, all.data(), count * sizeof(double));
+    for (size_t i = 0; i < count; ++i) {
+      double sum = 0;
+      for (size_t r = 0; r < ranks; ++r)
+        sum += all[r * count + i];
+      data[begin + i] = sum;
+    }
+  }
 }
 
 // ---------------------------------------------------------------- exceptions
@@ -1102,9 +1118,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "barrier",
       [] {
-        require_mpi();
+        dattn::Communicator& comm = get(*default_handle()).cp().control();
         py::gil_scoped_release release;
-        DATTN_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+        comm.barrier();  // the watchdog's deadline holds here too
       },
       "Waits for every rank.");
   m.def(

@@ -372,6 +372,38 @@ TEST(DecodeGarbage, UnusedCapacityAndHiddenKeysAreNeverRead) {
     }
 }
 
+// A NaN in one query row, with the check off: every strategy returns that row as NaN (out and
+// lse; it sees keys, so it must not read as empty) and every other row as with a clean query.
+TEST(DecodeNonFinite, NanQueryRowIsNanInEveryStrategy) {
+  ScopedEnv env("DATTN_CHECK_FINITE", nullptr);
+  const DecodeSetup d = decode_setup(Mask::causal(), DType::f32);
+  const KvCache cache = make_cache(d, d.ctx_k, d.ctx_v, 0);
+  Tensor q = d.q.to(DType::f32);
+  const int64_t b = kB - 1, s = 1, h = kHq - 1;  // the poisoned row: its first element
+  q.set(((b * 2 + s) * kHq + h) * kD, std::nanf(""));
+  for (DecodeStrategy st :
+       {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
+    SCOPED_TRACE(strategy_name(st));
+    Runtime& rt = runtime(1);
+    const Partial clean = decode(rt, d.q, cache, st), got = decode(rt, q, cache, st);
+    for (int64_t bi = 0; bi < kB; ++bi)
+      for (int64_t si = 0; si < 2; ++si)
+        for (int64_t hi = 0; hi < kHq; ++hi) {
+          const bool poisoned = bi == b && si == s && hi == h;
+          const float lse_got = got.lse.ptr<float>()[(bi * kHq + hi) * 2 + si];
+          const float lse_want = clean.lse.ptr<float>()[(bi * kHq + hi) * 2 + si];
+          EXPECT_TRUE(poisoned ? std::isnan(lse_got) : test::same_bits(lse_got, lse_want))
+              << "lse of batch " << bi << " query " << si << " head " << hi << ": " << lse_got;
+          for (int64_t e = 0; e < kDv; ++e) {
+            const int64_t i = ((bi * 2 + si) * kHq + hi) * kDv + e;
+            const float o = got.out.ptr<float>()[i];
+            EXPECT_TRUE(poisoned ? std::isnan(o) : test::same_bits(o, clean.out.ptr<float>()[i]))
+                << "out of batch " << bi << " query " << si << " head " << hi << ": " << o;
+          }
+        }
+  }
+}
+
 // The check in decode: q, and each rank's filled cache rows (not its unused capacity).
 TEST(DecodeGarbage, CheckNamesCacheAndQ) {
   ScopedEnv env("DATTN_CHECK_FINITE", nullptr);

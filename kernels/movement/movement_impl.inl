@@ -210,10 +210,13 @@ struct UnweighRows {
   DATTN_MOVEMENT_HD void operator()(int64_t row) const {
     const int64_t l = lse_index(row);
     const float* p = packed + row * (dv + 1);
+    // den == 0 only when every shard is empty. A NaN den (a NaN score on some rank) must not
+    // read as empty: it goes through the division, so the row is NaN as in the other schedules.
     const float den = p[dv];
+    const bool empty = den == 0.f;
     for (int64_t d = 0; d < dv; ++d)
-      out[row * dv + d] = den > 0.f ? p[d] / den : 0.f;
-    lse[l] = den > 0.f ? m[l] + logf(den) : -INFINITY;
+      out[row * dv + d] = empty ? 0.f : p[d] / den;
+    lse[l] = empty ? -INFINITY : m[l] + logf(den);
   }
 };
 

@@ -171,15 +171,7 @@ constexpr double kGradTol = 5e-5;
 
 class Backward : public testing::TestWithParam<Case> {
  protected:
-  static Runtime& runtime(int ulysses) {
-    auto& rt = runtimes_[ulysses];
-    if (!rt) {
-      RuntimeOptions o;
-      o.ulysses = ulysses;
-      rt = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-    }
-    return *rt;
-  }
+  static Runtime& runtime(int ulysses) { return test::world_runtime(ulysses); }
   struct Global {
     Tensor q, k, v, dout;
     cpu::ReferenceGrads ref;
@@ -198,16 +190,11 @@ class Backward : public testing::TestWithParam<Case> {
     }
     return *g;
   }
-  static void TearDownTestSuite() {
-    runtimes_.clear();
-    globals_.clear();
-  }
+  static void TearDownTestSuite() { globals_.clear(); }
 
  private:
-  static std::map<int, std::unique_ptr<Runtime>> runtimes_;
   static std::map<std::pair<int, int>, std::unique_ptr<Global>> globals_;
 };
-std::map<int, std::unique_ptr<Runtime>> Backward::runtimes_;
 std::map<std::pair<int, int>, std::unique_ptr<Backward::Global>> Backward::globals_;
 
 TEST_P(Backward, MatchesReferenceAndByteModel) {
@@ -282,20 +269,19 @@ TEST(BackwardEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
   struct StrategyRun {
     Strategy strategy;
     int ulysses;  // the runtime's degree; the byte model's is P for Ulysses
-    std::unique_ptr<Runtime> rt;
   };
   std::vector<StrategyRun> schedules;
-  for (auto [s, U] :
-       {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}}) {
-    if (P % U != 0) continue;
-    RuntimeOptions o;
-    o.ulysses = U;
-    schedules.push_back({s, U, std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o))});
-  }
+  for (auto [s, U] : {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}})
+    if (P % U == 0) schedules.push_back({s, U});
+  constexpr LayoutKind kLayouts[] = {LayoutKind::varlen, LayoutKind::zigzag,
+                                     LayoutKind::contiguous};
   int n = 0;
   for (const auto& [name, cu] : test::empty_documents_cases(pb.S)) {
     for (bool causal : {true, false}) {
-      const DType dt = n++ % 2 == 0 ? DType::f32 : DType::bf16;
+      // fp32 and bf16, and the three layouts, in turn: over the 12 (boundaries, causal) pairs
+      // each (mask, layout) and (dtype, layout) pair comes twice, each boundaries case under
+      // two layouts.
+      const DType dt = n % 2 == 0 ? DType::f32 : DType::bf16;
       const Mask mask = Mask::document(cu, causal), cut = test::without_empty_documents(mask);
       const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
       const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 711);
@@ -303,46 +289,45 @@ TEST(BackwardEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
       const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 713);
       const Tensor dg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.Dv}, DType::f32, 714);
       const cpu::ReferenceGrads ref = cpu::attention_backward_reference(qg, kg, vg, dg, spec_cut);
-      for (LayoutKind lk : {LayoutKind::varlen, LayoutKind::zigzag, LayoutKind::contiguous}) {
-        const bool varlen = lk == LayoutKind::varlen;
-        const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
-        const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
-        for (const StrategyRun& sc : schedules) {
-          Runtime& rt = *sc.rt;
-          const int me = rt.cp_rank();
-          const std::string where = name + " " + mask.str() + " " + dtype_name(dt) + " " +
-                                    layout.str() + " " + strategy_name(sc.strategy) +
-                                    " U=" + std::to_string(sc.ulysses) + ", rank " +
-                                    std::to_string(me);
-          const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
-                       v = layout.dispatch(vg, me), dout = layout.dispatch(dg, me);
-          const Partial fwd = attention(rt, q, k, v, spec, layout, sc.strategy);
-          rt.reset_counters();
-          const Gradients g = attention_backward(rt, q, k, v, fwd, dout, spec, layout, sc.strategy);
-          const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
-          const Partial fwd_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
-          const Gradients gc =
-              attention_backward(rt, q, k, v, fwd_cut, dout, spec_cut, layout_cut, sc.strategy);
-          for (const auto& [got, cut_got, r, H, d, what] :
-               {std::tuple{&g.dq, &gc.dq, &ref.dq, pb.Hq, pb.D, "dq"},
-                std::tuple{&g.dk, &gc.dk, &ref.dk, pb.Hkv, pb.D, "dk"},
-                std::tuple{&g.dv, &gc.dv, &ref.dv, pb.Hkv, pb.Dv, "dv"}}) {
-            const GradError e = compare_rows(*got, *r, layout, me, pb.B, pb.S, H, d);
-            EXPECT_TRUE(e.finite) << what << " has NaN/inf, " << where;
-            EXPECT_LE(e.max_err, kGradTol * e.max_ref + 1e-7)
-                << what << ": max |err| " << e.max_err << " vs max |ref| " << e.max_ref << ", "
-                << where;
-            EXPECT_EQ(std::memcmp(got->data(), cut_got->data(), got->nbytes()), 0)
-                << what << " differs from the call without empty documents, " << where;
-          }
-          const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
-          const uint64_t model =
-              attention_backward_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
-          EXPECT_EQ(sent, model) << where;
-          EXPECT_EQ(model, attention_backward_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B,
-                                                         dt, model_u, me))
+      const LayoutKind lk = kLayouts[n++ % 3];
+      const bool varlen = lk == LayoutKind::varlen;
+      const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
+      const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
+      for (const StrategyRun& sc : schedules) {
+        Runtime& rt = test::world_runtime(sc.ulysses);
+        const int me = rt.cp_rank();
+        const std::string where = name + " " + mask.str() + " " + dtype_name(dt) + " " +
+                                  layout.str() + " " + strategy_name(sc.strategy) +
+                                  " U=" + std::to_string(sc.ulysses) + ", rank " +
+                                  std::to_string(me);
+        const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
+                     v = layout.dispatch(vg, me), dout = layout.dispatch(dg, me);
+        const Partial fwd = attention(rt, q, k, v, spec, layout, sc.strategy);
+        rt.reset_counters();
+        const Gradients g = attention_backward(rt, q, k, v, fwd, dout, spec, layout, sc.strategy);
+        const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
+        const Partial fwd_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
+        const Gradients gc =
+            attention_backward(rt, q, k, v, fwd_cut, dout, spec_cut, layout_cut, sc.strategy);
+        for (const auto& [got, cut_got, r, H, d, what] :
+             {std::tuple{&g.dq, &gc.dq, &ref.dq, pb.Hq, pb.D, "dq"},
+              std::tuple{&g.dk, &gc.dk, &ref.dk, pb.Hkv, pb.D, "dk"},
+              std::tuple{&g.dv, &gc.dv, &ref.dv, pb.Hkv, pb.Dv, "dv"}}) {
+          const GradError e = compare_rows(*got, *r, layout, me, pb.B, pb.S, H, d);
+          EXPECT_TRUE(e.finite) << what << " has NaN/inf, " << where;
+          EXPECT_LE(e.max_err, kGradTol * e.max_ref + 1e-7)
+              << what << ": max |err| " << e.max_err << " vs max |ref| " << e.max_ref << ", "
               << where;
+          EXPECT_EQ(std::memcmp(got->data(), cut_got->data(), got->nbytes()), 0)
+              << what << " differs from the call without empty documents, " << where;
         }
+        const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
+        const uint64_t model =
+            attention_backward_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
+        EXPECT_EQ(sent, model) << where;
+        EXPECT_EQ(model, attention_backward_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt,
+                                                       model_u, me))
+            << where;
       }
     }
   }

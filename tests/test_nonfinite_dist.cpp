@@ -118,28 +118,6 @@ AttnSpec make_spec(const Mask& mask) {
   return spec;
 }
 
-// One runtime per (Ulysses degree, check_finite), kept for the whole program and released
-// before MPI_Finalize (by the environment below).
-std::map<std::pair<int, bool>, std::unique_ptr<Runtime>>& runtimes() {
-  static std::map<std::pair<int, bool>, std::unique_ptr<Runtime>> r;
-  return r;
-}
-Runtime& runtime(int ulysses, bool check_finite = false) {
-  auto& rt = runtimes()[{ulysses, check_finite}];
-  if (!rt) {
-    RuntimeOptions o;
-    o.ulysses = ulysses;
-    o.check_finite = check_finite;
-    rt = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-  }
-  return *rt;
-}
-class ReleaseRuntimes : public testing::Environment {
- public:
-  void TearDown() override { runtimes().clear(); }
-};
-const auto* const kRelease = testing::AddGlobalTestEnvironment(new ReleaseRuntimes);
-
 // The global inputs, the same on every rank.
 struct Inputs {
   Tensor q, k, v, dout;
@@ -185,7 +163,7 @@ TEST_P(HiddenGarbage, CleanResultsAreBitIdentical) {
   const Scenario sc = scenarios()[size_t(c.scenario)];
   const AttnSpec spec = make_spec(sc.mask);
   const Layout layout = make_layout(c.layout, P);
-  Runtime& rt = runtime(U);
+  Runtime& rt = test::world_runtime(U);
 
   std::vector<char> bad(size_t(kS), 0);
   for (auto [lo, hi] : sc.bad)
@@ -232,7 +210,7 @@ TEST(CheckFinite, NanOnOneRankFailsEveryRank) {
   const Inputs in = global_inputs(DType::f32);
   for (Strategy strategy : {Strategy::ring, Strategy::ulysses}) {
     SCOPED_TRACE(strategy_name(strategy));
-    Runtime& rt = runtime(strategy == Strategy::ulysses ? P : 1, true);
+    Runtime& rt = test::world_runtime(strategy == Strategy::ulysses ? P : 1, true);
     Tensor q = layout.dispatch(in.q, me), k = layout.dispatch(in.k, me);
     Tensor v = layout.dispatch(in.v, me), dout = layout.dispatch(in.dout, me);
     const Partial fwd = attention(rt, q, k, v, spec, layout, strategy);  // all finite: passes
@@ -265,7 +243,7 @@ TEST(CheckFinite, OffByDefault) {
   const AttnSpec spec = make_spec(Mask::causal());
   Inputs in = global_inputs(DType::f32);
   in.q.set(((0 * kS + 10) * kHq + 0) * kD + 0, NAN);
-  Runtime& rt = runtime(1);
+  Runtime& rt = test::world_runtime(1);
   EXPECT_FALSE(rt.check_finite());
   Results r;
   ASSERT_NO_THROW(r = run(rt, in, spec, layout, Strategy::ring));
@@ -283,7 +261,7 @@ TEST(CheckFinite, EnvironmentVariable) {
   const AttnSpec spec = make_spec(Mask::window(5));
   Inputs in = global_inputs(DType::bf16);
   in.k.set(((1 * kS + 40) * kHkv + 11) * kD + 15, -INFINITY);
-  Runtime& rt = runtime(1);
+  Runtime& rt = test::world_runtime(1);
   const int owner = int((40 / 3) % P);
   {
     ScopedEnv env("DATTN_CHECK_FINITE", "1");
@@ -364,7 +342,7 @@ TEST(DecodeGarbage, UnusedCapacityAndHiddenKeysAreNeverRead) {
       }
       for (DecodeStrategy s :
            {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
-        Runtime& rt = runtime(1);
+        Runtime& rt = test::world_runtime(1);
         const Partial want = decode(rt, d.q, ordinary, s);
         const Partial got = decode(rt, d.q, garbage, s);
         EXPECT_TRUE(same_partial(got, want)) << strategy_name(s);
@@ -384,7 +362,7 @@ TEST(DecodeNonFinite, NanQueryRowIsNanInEveryStrategy) {
   for (DecodeStrategy st :
        {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
     SCOPED_TRACE(strategy_name(st));
-    Runtime& rt = runtime(1);
+    Runtime& rt = test::world_runtime(1);
     const Partial clean = decode(rt, d.q, cache, st), got = decode(rt, q, cache, st);
     for (int64_t bi = 0; bi < kB; ++bi)
       for (int64_t si = 0; si < 2; ++si)
@@ -409,7 +387,7 @@ TEST(DecodeGarbage, CheckNamesCacheAndQ) {
   ScopedEnv env("DATTN_CHECK_FINITE", nullptr);
   const int P = world_size(), me = world_rank();
   const DecodeSetup d = decode_setup(Mask::causal(), DType::f32);
-  Runtime& rt = runtime(1, true);
+  Runtime& rt = test::world_runtime(1, true);
   const KvCache cache = make_cache(d, d.ctx_k, d.ctx_v, 4);
   {  // unused capacity holds NaN: not checked, not read
     Tensor k = cache.k();
@@ -446,7 +424,7 @@ TEST(CheckFinite, StarPrefillAndDecode) {
   const AttnSpec spec = make_spec(Mask::causal());
   const Layout layout = Layout::blocks(kS, P, 8);
   const Inputs in = global_inputs(DType::f32);
-  Runtime& rt = runtime(1, true);
+  Runtime& rt = test::world_runtime(1, true);
   Tensor q = layout.dispatch(in.q, me), k = layout.dispatch(in.k, me);
   const Tensor v = layout.dispatch(in.v, me);
   EXPECT_NO_THROW(star_prefill(rt, q, k, v, spec, layout));
@@ -494,7 +472,7 @@ TEST(CheckFinite, MlaDecode) {
   const Tensor k_pe = test::random_tensor({B, S, cfg.rope}, DType::f32, 7);
   Tensor q_nope = test::random_tensor({B, Sq, cfg.heads, cfg.qk_nope}, DType::f32, 8);
   const Tensor q_pe = test::random_tensor({B, Sq, cfg.heads, cfg.rope}, DType::f32, 9);
-  Runtime& rt = runtime(1, true);
+  Runtime& rt = test::world_runtime(1, true);
   const MlaCacheShard shard = mla_shard_cache(cfg, MlaParallel::head_split, {}, c_kv, k_pe, me, P);
   EXPECT_NO_THROW(mla_decode(rt, MlaParallel::head_split, cfg, w, q_nope, q_pe, shard, S - Sq));
   Tensor bad_cache = shard.c_kv.to(DType::f32);

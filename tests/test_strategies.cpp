@@ -206,15 +206,7 @@ class StrategyAttention : public testing::TestWithParam<StrategyCase> {
  protected:
   // One runtime per Ulysses degree and one reference per (problem, mask), kept for the whole
   // suite (building them is the slow part) and released before MPI_Finalize.
-  static Runtime& runtime(int ulysses) {
-    auto& rt = runtimes_[ulysses];
-    if (!rt) {
-      RuntimeOptions o;
-      o.ulysses = ulysses;
-      rt = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-    }
-    return *rt;
-  }
+  static Runtime& runtime(int ulysses) { return test::world_runtime(ulysses); }
   struct Global {
     Tensor q, k, v;
     cpu::ReferenceResult ref;
@@ -231,16 +223,11 @@ class StrategyAttention : public testing::TestWithParam<StrategyCase> {
     }
     return *g;
   }
-  static void TearDownTestSuite() {
-    runtimes_.clear();
-    globals_.clear();
-  }
+  static void TearDownTestSuite() { globals_.clear(); }
 
  private:
-  static std::map<int, std::unique_ptr<Runtime>> runtimes_;
   static std::map<std::pair<int, int>, std::unique_ptr<Global>> globals_;
 };
-std::map<int, std::unique_ptr<Runtime>> StrategyAttention::runtimes_;
 std::map<std::pair<int, int>, std::unique_ptr<StrategyAttention::Global>>
     StrategyAttention::globals_;
 
@@ -340,56 +327,53 @@ TEST(EmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
   struct StrategyRun {
     Strategy strategy;
     int ulysses;  // the runtime's degree; the byte model's is P for Ulysses
-    std::unique_ptr<Runtime> rt;
   };
   std::vector<StrategyRun> schedules;
-  for (auto [s, U] :
-       {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}}) {
-    if (P % U != 0) continue;
-    RuntimeOptions o;
-    o.ulysses = U;
-    schedules.push_back({s, U, std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o))});
-  }
+  for (auto [s, U] : {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}})
+    if (P % U == 0) schedules.push_back({s, U});
+  constexpr LayoutKind kLayouts[] = {LayoutKind::varlen, LayoutKind::zigzag,
+                                     LayoutKind::contiguous};
   int n = 0;
   for (const auto& [name, cu] : test::empty_documents_cases(pb.S)) {
     for (bool causal : {true, false}) {
-      const DType dt = n++ % 2 == 0 ? DType::f32 : DType::bf16;
+      // fp32 and bf16, and the three layouts, in turn: over the 12 (boundaries, causal) pairs
+      // each (mask, layout) and (dtype, layout) pair comes twice, each boundaries case under
+      // two layouts.
+      const DType dt = n % 2 == 0 ? DType::f32 : DType::bf16;
       const Mask mask = Mask::document(cu, causal), cut = test::without_empty_documents(mask);
       const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
       const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 611);
       const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 612);
       const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 613);
       const auto ref = cpu::attention_reference(qg, kg, vg, spec_cut);
-      for (LayoutKind lk : {LayoutKind::varlen, LayoutKind::zigzag, LayoutKind::contiguous}) {
-        const bool varlen = lk == LayoutKind::varlen;
-        const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
-        const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
-        for (const StrategyRun& sc : schedules) {
-          Runtime& rt = *sc.rt;
-          const int me = rt.cp_rank();
-          SCOPED_TRACE(testing::Message()
-                       << name << " " << mask.str() << " " << dtype_name(dt) << " " << layout.str()
-                       << " " << strategy_name(sc.strategy) << " U=" << sc.ulysses << ", rank "
-                       << me);
-          const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
-                       v = layout.dispatch(vg, me);
-          rt.reset_counters();
-          const Partial res = attention(rt, q, k, v, spec, layout, sc.strategy);
-          const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
-          const Partial res_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
-          const int64_t Sl = layout.local_len(me);
-          EXPECT_TRUE(test::matches_reference(
-              res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, Sl, pb.Hq, pb.Dv, ref, pb.S,
-              [&](int64_t i) { return layout.global_position(me, i); }, test::tolerance_for(dt)));
-          EXPECT_EQ(std::memcmp(res.out.data(), res_cut.out.data(), res.out.nbytes()), 0) << "out";
-          EXPECT_EQ(std::memcmp(res.lse.data(), res_cut.lse.data(), res.lse.nbytes()), 0) << "lse";
-          const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
-          const uint64_t model =
-              attention_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
-          EXPECT_EQ(sent, model);
-          EXPECT_EQ(model,
-                    attention_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt, model_u, me));
-        }
+      const LayoutKind lk = kLayouts[n++ % 3];
+      const bool varlen = lk == LayoutKind::varlen;
+      const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
+      const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
+      for (const StrategyRun& sc : schedules) {
+        Runtime& rt = test::world_runtime(sc.ulysses);
+        const int me = rt.cp_rank();
+        SCOPED_TRACE(testing::Message() << name << " " << mask.str() << " " << dtype_name(dt) << " "
+                                        << layout.str() << " " << strategy_name(sc.strategy)
+                                        << " U=" << sc.ulysses << ", rank " << me);
+        const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
+                     v = layout.dispatch(vg, me);
+        rt.reset_counters();
+        const Partial res = attention(rt, q, k, v, spec, layout, sc.strategy);
+        const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
+        const Partial res_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
+        const int64_t Sl = layout.local_len(me);
+        EXPECT_TRUE(test::matches_reference(
+            res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, Sl, pb.Hq, pb.Dv, ref, pb.S,
+            [&](int64_t i) { return layout.global_position(me, i); }, test::tolerance_for(dt)));
+        EXPECT_EQ(std::memcmp(res.out.data(), res_cut.out.data(), res.out.nbytes()), 0) << "out";
+        EXPECT_EQ(std::memcmp(res.lse.data(), res_cut.lse.data(), res.lse.nbytes()), 0) << "lse";
+        const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
+        const uint64_t model =
+            attention_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
+        EXPECT_EQ(sent, model);
+        EXPECT_EQ(model,
+                  attention_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt, model_u, me));
       }
     }
   }

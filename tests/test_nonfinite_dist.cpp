@@ -122,11 +122,18 @@ AttnSpec make_spec(const Mask& mask) {
 struct Inputs {
   Tensor q, k, v, dout;
 };
+// Made once per dtype; each call returns a fresh copy, which the tests may poison.
 Inputs global_inputs(DType dtype) {
-  return {test::random_tensor({kB, kS, kHq, kD}, dtype, 31),
-          test::random_tensor({kB, kS, kHkv, kD}, dtype, 32),
-          test::random_tensor({kB, kS, kHkv, kDv}, dtype, 33),
-          test::random_tensor({kB, kS, kHq, kDv}, dtype, 34)};
+  static std::map<DType, Inputs> made;
+  auto it = made.find(dtype);
+  if (it == made.end())
+    it = made.emplace(dtype, Inputs{test::random_tensor({kB, kS, kHq, kD}, dtype, 31),
+                                    test::random_tensor({kB, kS, kHkv, kD}, dtype, 32),
+                                    test::random_tensor({kB, kS, kHkv, kDv}, dtype, 33),
+                                    test::random_tensor({kB, kS, kHq, kDv}, dtype, 34)})
+             .first;
+  const Inputs& in = it->second;
+  return {in.q.to(dtype), in.k.to(dtype), in.v.to(dtype), in.dout.to(dtype)};
 }
 
 struct Results {

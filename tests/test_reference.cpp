@@ -75,6 +75,8 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
   cpu::ReferenceResult r;
   r.out.assign(size_t(B * Sq * Hq * Dv), 0.0);
   r.lse.assign(size_t(B * Hq * Sq), ninf);
+  const std::vector<double> qd = cpu::as_doubles(q), kd = cpu::as_doubles(k),
+                            vd = cpu::as_doubles(v);
   std::vector<double> s(static_cast<size_t>(Sk));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
@@ -86,8 +88,8 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
           if (!spec.mask.visible(q_pos[size_t(i)], k_pos[size_t(j)])) continue;
           double dot = 0;
           for (int64_t d = 0; d < D; ++d)
-            dot += double(q.get(((b * Sq + i) * Hq + h) * D + d)) *
-                   double(k.get(((b * Sk + j) * Hkv + hk) * D + d));
+            dot += qd[size_t(((b * Sq + i) * Hq + h) * D + d)] *
+                   kd[size_t(((b * Sk + j) * Hkv + hk) * D + d)];
           s[size_t(j)] = dot * scale;
           m = std::max(m, s[size_t(j)]);
         }
@@ -99,7 +101,7 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
           double p = std::exp(s[size_t(j)] - m);
           sum += p;
           for (int64_t d = 0; d < Dv; ++d)
-            o[d] += p * v.get(((b * Sk + j) * Hkv + hk) * Dv + d);
+            o[d] += p * vd[size_t(((b * Sk + j) * Hkv + hk) * Dv + d)];
         }
         for (int64_t d = 0; d < Dv; ++d)
           o[d] /= sum;

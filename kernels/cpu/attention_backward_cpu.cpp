@@ -83,9 +83,6 @@ struct Workspace {
 
   Workspace(int64_t d, int64_t dv)
       : kpos(size_t(kBwdTileK)), kdoc(size_t(kBwdTileK)), empty(size_t(kBwdTileQ)) {
-    if (gemm_path(DType::bf16) == GemmPath::onednn)
-      for (auto* buf : {&p_hi, &p_lo, &ds_hi, &ds_lo})
-        buf->resize(size_t(kBwdTileQ * kBwdTileK));
     const int64_t sizes[] = {kBwdTileQ * d,  kBwdTileQ * dv,        kBwdTileK * d,
                              kBwdTileK * dv, kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK};
     int64_t total = 0;
@@ -205,7 +202,11 @@ struct Problem {
       gemm(M, N, K, alpha, {X, bk, trans}, {B.ptr, B.ld}, true, C, ldc);
       return;
     }
-    if (!split) split_bf16(X, bq * bk, hi.data(), lo.data());
+    if (!split) {
+      hi.resize(size_t(kBwdTileQ * kBwdTileK));  // no-ops after the first pair
+      lo.resize(size_t(kBwdTileQ * kBwdTileK));
+      split_bf16(X, bq * bk, hi.data(), lo.data());
+    }
     split = true;
     for (const uint16_t* term : {hi.data(), lo.data()})
       tile_gemm(GemmPath::onednn, DType::bf16, M, N, K, alpha, {term, bk, trans}, {B.raw, B.raw_ld},

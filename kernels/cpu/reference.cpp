@@ -9,6 +9,13 @@
 
 namespace dattn::cpu {
 
+std::vector<double> as_doubles(const Tensor& t) {
+  std::vector<double> x(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    x[size_t(i)] = t.get(i);
+  return x;
+}
+
 ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttnSpec& spec, int64_t q_pos0, int64_t k_pos0) {
   const int64_t B = q.size(0), Sq = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -19,23 +26,23 @@ ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tens
   ReferenceResult r;
   r.out.assign(size_t(B * Sq * Hq * Dv), 0.0);
   r.lse.assign(size_t(B * Hq * Sq), -std::numeric_limits<double>::infinity());
+  const std::vector<double> qd = as_doubles(q), kd = as_doubles(k), vd = as_doubles(v);
   std::vector<double> s(static_cast<size_t>(Sk));
-  std::vector<double> qrow(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t hk = h / group;
       for (int64_t i = 0; i < Sq; ++i) {
-        for (int64_t d = 0; d < D; ++d)
-          qrow[d] = q.get(((b * Sq + i) * Hq + h) * D + d);
+        const double* qrow = qd.data() + ((b * Sq + i) * Hq + h) * D;
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < Sk; ++j) {
           if (!spec.mask.visible(q_pos0 + i, k_pos0 + j)) {
             s[j] = -std::numeric_limits<double>::infinity();
             continue;
           }
+          const double* krow = kd.data() + ((b * Sk + j) * Hkv + hk) * D;
           double dot = 0;
           for (int64_t d = 0; d < D; ++d)
-            dot += qrow[d] * k.get(((b * Sk + j) * Hkv + hk) * D + d);
+            dot += qrow[d] * krow[d];
           s[j] = dot * scale;
           m = std::max(m, s[j]);
         }
@@ -46,8 +53,9 @@ ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tens
           if (s[j] == -std::numeric_limits<double>::infinity()) continue;
           double p = std::exp(s[j] - m);
           sum += p;
+          const double* vrow = vd.data() + ((b * Sk + j) * Hkv + hk) * Dv;
           for (int64_t d = 0; d < Dv; ++d)
-            o[d] += p * v.get(((b * Sk + j) * Hkv + hk) * Dv + d);
+            o[d] += p * vrow[d];
         }
         for (int64_t d = 0; d < Dv; ++d)
           o[d] /= sum;
@@ -72,14 +80,8 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
   g.dq.assign(size_t(B * Sq * Hq * D), 0.0);
   g.dk.assign(size_t(B * Sk * Hkv * D), 0.0);
   g.dv.assign(size_t(B * Sk * Hkv * Dv), 0.0);
-  // The stored values as doubles, read once (Tensor::get per access would dominate).
-  auto doubles = [](const Tensor& t) {
-    std::vector<double> x(size_t(t.numel()));
-    for (int64_t i = 0; i < t.numel(); ++i)
-      x[size_t(i)] = t.get(i);
-    return x;
-  };
-  const std::vector<double> qd = doubles(q), kd = doubles(k), vd = doubles(v), gd = doubles(dout);
+  const std::vector<double> qd = as_doubles(q), kd = as_doubles(k), vd = as_doubles(v),
+                            gd = as_doubles(dout);
   std::vector<double> p(static_cast<size_t>(Sk)), dp(static_cast<size_t>(Sk));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {

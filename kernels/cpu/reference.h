@@ -10,6 +10,10 @@
 
 namespace dattn::cpu {
 
+// A host tensor's stored values as doubles, in element order: the references read them once
+// (Tensor::get per access costs more than the arithmetic, 20x more under ASan).
+std::vector<double> as_doubles(const Tensor& t);
+
 struct ReferenceResult {
   std::vector<double> out;  // [B, S_q, H_q, D_v]
   std::vector<double> lse;  // [B, H_q, S_q]; -inf for a row that sees no key (out row = 0)

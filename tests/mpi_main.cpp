@@ -1,19 +1,14 @@
 // main() of every multi-rank test binary (run under mpiexec by ctest): MPI up, GoogleTest on
 // every rank with only rank 0 printing the full report and other ranks printing their failed
-// assertions prefixed "[rank R]", and a failure on any rank failing the job on every rank; and
-// the runtimes over MPI_COMM_WORLD that the tests share (test::world_runtime).
+// assertions prefixed "[rank R]", and a failure on any rank failing the job on every rank.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cstdio>
-#include <map>
-#include <memory>
 #include <string>
-#include <utility>
 
 #include "src/base/error.h"
-#include "src/runtime.h"
-#include "tests/test_reference.h"
+#include "tests/mpi_support.h"
 
 namespace {
 
@@ -64,23 +59,7 @@ class AbortOnFailure : public testing::EmptyTestEventListener {
   int rank_;
 };
 
-std::map<std::pair<int, bool>, std::unique_ptr<dattn::Runtime>>& world_runtimes() {
-  static std::map<std::pair<int, bool>, std::unique_ptr<dattn::Runtime>> r;
-  return r;
-}
-
 }  // namespace
-
-dattn::Runtime& dattn::test::world_runtime(int ulysses, bool check_finite) {
-  auto& rt = world_runtimes()[{ulysses, check_finite}];
-  if (!rt) {
-    RuntimeOptions o;
-    o.ulysses = ulysses;
-    o.check_finite = check_finite;
-    rt = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
-  }
-  return *rt;
-}
 
 int main(int argc, char** argv) {
   int provided = 0;
@@ -103,7 +82,7 @@ int main(int argc, char** argv) {
   // A failure on any rank fails the test on every rank (ctest reads the exit codes).
   int any_failed = local_failed;
   MPI_Allreduce(&local_failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  world_runtimes().clear();  // their communicators are freed before MPI_Finalize
+  dattn::test::release_world_runtimes();  // their communicators are freed before MPI_Finalize
   if (rank == 0 && any_failed && !local_failed)
     std::printf("[rank 0] some other rank failed (see the [rank R] lines above)\n");
   MPI_Finalize();

@@ -24,6 +24,7 @@
 #include "src/layout.h"
 #include "src/models.h"
 #include "src/runtime.h"
+#include "tests/mpi_support.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -259,76 +260,56 @@ INSTANTIATE_TEST_SUITE_P(Cases, Backward, testing::ValuesIn(cases()),
                          });
 
 // Document masks whose cu_seqlens repeat entries (empty documents at the start, in the middle, in
-// a row, at the end), under varlen on the same boundaries, zigzag and contiguous, for the ring,
-// Ulysses and the hybrid (U = 2 where it divides P): each rank's dq, dk, dv against the float64
-// reference gradients of the boundaries without the repeats, bit for bit those of the call
-// without them, with the bytes the model predicts. fp32 and bf16 in turn.
+// a row, at the end), under varlen on the same boundaries, zigzag and contiguous in turn
+// (test::empty_documents_runs), for the ring, Ulysses and the hybrid (U = 2 where it divides P):
+// each rank's dq, dk, dv against the float64 reference gradients of the boundaries without the
+// repeats, bit for bit those of the call without them, with the bytes the model predicts. fp32 and
+// bf16 in turn.
 TEST(BackwardEmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
   const int P = world_size();
   const Problem pb{61, 1, 24, 12, 32, 16, DType::f32, {}};
-  struct StrategyRun {
-    Strategy strategy;
-    int ulysses;  // the runtime's degree; the byte model's is P for Ulysses
-  };
-  std::vector<StrategyRun> schedules;
-  for (auto [s, U] : {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}})
-    if (P % U == 0) schedules.push_back({s, U});
-  constexpr LayoutKind kLayouts[] = {LayoutKind::varlen, LayoutKind::zigzag,
-                                     LayoutKind::contiguous};
-  int n = 0;
-  for (const auto& [name, cu] : test::empty_documents_cases(pb.S)) {
-    for (bool causal : {true, false}) {
-      // fp32 and bf16, and the three layouts, in turn: over the 12 (boundaries, causal) pairs
-      // each (mask, layout) and (dtype, layout) pair comes twice, each boundaries case under
-      // two layouts.
-      const DType dt = n % 2 == 0 ? DType::f32 : DType::bf16;
-      const Mask mask = Mask::document(cu, causal), cut = test::without_empty_documents(mask);
-      const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
-      const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 711);
-      const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 712);
-      const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 713);
-      const Tensor dg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.Dv}, DType::f32, 714);
-      const cpu::ReferenceGrads ref = cpu::attention_backward_reference(qg, kg, vg, dg, spec_cut);
-      const LayoutKind lk = kLayouts[n++ % 3];
-      const bool varlen = lk == LayoutKind::varlen;
-      const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
-      const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
-      for (const StrategyRun& sc : schedules) {
-        Runtime& rt = test::world_runtime(sc.ulysses);
-        const int me = rt.cp_rank();
-        const std::string where = name + " " + mask.str() + " " + dtype_name(dt) + " " +
-                                  layout.str() + " " + strategy_name(sc.strategy) +
-                                  " U=" + std::to_string(sc.ulysses) + ", rank " +
-                                  std::to_string(me);
-        const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
-                     v = layout.dispatch(vg, me), dout = layout.dispatch(dg, me);
-        const Partial fwd = attention(rt, q, k, v, spec, layout, sc.strategy);
-        rt.reset_counters();
-        const Gradients g = attention_backward(rt, q, k, v, fwd, dout, spec, layout, sc.strategy);
-        const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
-        const Partial fwd_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
-        const Gradients gc =
-            attention_backward(rt, q, k, v, fwd_cut, dout, spec_cut, layout_cut, sc.strategy);
-        for (const auto& [got, cut_got, r, H, d, what] :
-             {std::tuple{&g.dq, &gc.dq, &ref.dq, pb.Hq, pb.D, "dq"},
-              std::tuple{&g.dk, &gc.dk, &ref.dk, pb.Hkv, pb.D, "dk"},
-              std::tuple{&g.dv, &gc.dv, &ref.dv, pb.Hkv, pb.Dv, "dv"}}) {
-          const GradError e = compare_rows(*got, *r, layout, me, pb.B, pb.S, H, d);
-          EXPECT_TRUE(e.finite) << what << " has NaN/inf, " << where;
-          EXPECT_LE(e.max_err, kGradTol * e.max_ref + 1e-7)
-              << what << ": max |err| " << e.max_err << " vs max |ref| " << e.max_ref << ", "
-              << where;
-          EXPECT_EQ(std::memcmp(got->data(), cut_got->data(), got->nbytes()), 0)
-              << what << " differs from the call without empty documents, " << where;
-        }
-        const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
-        const uint64_t model =
-            attention_backward_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
-        EXPECT_EQ(sent, model) << where;
-        EXPECT_EQ(model, attention_backward_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt,
-                                                       model_u, me))
+  for (const test::EmptyDocumentsRun& run : test::empty_documents_runs(pb.S, P)) {
+    const auto& [name, mask, cut, dt, layout, layout_cut] = run;
+    const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
+    const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 711);
+    const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 712);
+    const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 713);
+    const Tensor dg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.Dv}, DType::f32, 714);
+    const cpu::ReferenceGrads ref = cpu::attention_backward_reference(qg, kg, vg, dg, spec_cut);
+    for (const test::ScheduleRun& sc : test::empty_documents_schedules(P)) {
+      Runtime& rt = test::world_runtime(sc.ulysses);
+      const int me = rt.cp_rank();
+      const std::string where = name + " " + mask.str() + " " + dtype_name(dt) + " " +
+                                layout.str() + " " + strategy_name(sc.strategy) +
+                                " U=" + std::to_string(sc.ulysses) + ", rank " + std::to_string(me);
+      const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
+                   v = layout.dispatch(vg, me), dout = layout.dispatch(dg, me);
+      const Partial fwd = attention(rt, q, k, v, spec, layout, sc.strategy);
+      rt.reset_counters();
+      const Gradients g = attention_backward(rt, q, k, v, fwd, dout, spec, layout, sc.strategy);
+      const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
+      const Partial fwd_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
+      const Gradients gc =
+          attention_backward(rt, q, k, v, fwd_cut, dout, spec_cut, layout_cut, sc.strategy);
+      for (const auto& [got, cut_got, r, H, d, what] :
+           {std::tuple{&g.dq, &gc.dq, &ref.dq, pb.Hq, pb.D, "dq"},
+            std::tuple{&g.dk, &gc.dk, &ref.dk, pb.Hkv, pb.D, "dk"},
+            std::tuple{&g.dv, &gc.dv, &ref.dv, pb.Hkv, pb.Dv, "dv"}}) {
+        const GradError e = compare_rows(*got, *r, layout, me, pb.B, pb.S, H, d);
+        EXPECT_TRUE(e.finite) << what << " has NaN/inf, " << where;
+        EXPECT_LE(e.max_err, kGradTol * e.max_ref + 1e-7)
+            << what << ": max |err| " << e.max_err << " vs max |ref| " << e.max_ref << ", "
             << where;
+        EXPECT_EQ(std::memcmp(got->data(), cut_got->data(), got->nbytes()), 0)
+            << what << " differs from the call without empty documents, " << where;
       }
+      const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
+      const uint64_t model =
+          attention_backward_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
+      EXPECT_EQ(sent, model) << where;
+      EXPECT_EQ(model, attention_backward_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt,
+                                                     model_u, me))
+          << where;
     }
   }
 }

@@ -21,6 +21,7 @@
 #include "src/runtime.h"
 #include "src/star.h"
 #include "tests/test_nonfinite.h"
+#include "tests/mpi_support.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

@@ -21,10 +21,6 @@
 #include "src/base/spec.h"
 #include "src/base/tensor.h"
 
-namespace dattn {
-class Runtime;  // src/runtime.h
-}
-
 namespace dattn::test {
 
 // ---------------------------------------------------------------- random data
@@ -129,11 +125,6 @@ inline int world_rank() {
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
   return r;
 }
-// One Runtime over MPI_COMM_WORLD per (Ulysses degree, check_finite), made on first use and kept
-// for the whole program (making one is collective: every rank must ask for it in the same order);
-// main() of the multi-rank binaries (tests/mpi_main.cpp) defines it and releases them before
-// MPI_Finalize.
-Runtime& world_runtime(int ulysses, bool check_finite = false);
 #endif
 
 }  // namespace dattn::test

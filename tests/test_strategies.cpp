@@ -19,6 +19,7 @@
 #include "src/layout.h"
 #include "src/models.h"
 #include "src/runtime.h"
+#include "tests/mpi_support.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -316,65 +317,44 @@ INSTANTIATE_TEST_SUITE_P(Cases, StrategyAttention, testing::ValuesIn(strategy_ca
 // ---------------------------------------------------------------- empty documents
 
 // Document masks whose cu_seqlens repeat entries (empty documents at the start, in the middle, in
-// a row, at the end), under varlen on the same boundaries, zigzag and contiguous, for the ring,
-// Ulysses and the hybrid (U = 2 where it divides P): each rank's out and lse against the float64
-// reference of the boundaries without the repeats, bit for bit what the call without them gives,
-// and the same bytes, which the byte model predicts. S = 61 divides by no rank count; fp32 and
-// bf16 in turn.
+// a row, at the end), under varlen on the same boundaries, zigzag and contiguous in turn
+// (test::empty_documents_runs), for the ring, Ulysses and the hybrid (U = 2 where it divides P):
+// each rank's out and lse against the float64 reference of the boundaries without the repeats, bit
+// for bit what the call without them gives, and the same bytes, which the byte model predicts. S =
+// 61 divides by no rank count; fp32 and bf16 in turn.
 TEST(EmptyDocuments, MatchReferenceAndTheCallWithoutThem) {
   const int P = world_size();
   const Problem pb{61, 1, 24, 12, 32, 16, DType::f32, {}};
-  struct StrategyRun {
-    Strategy strategy;
-    int ulysses;  // the runtime's degree; the byte model's is P for Ulysses
-  };
-  std::vector<StrategyRun> schedules;
-  for (auto [s, U] : {std::pair{Strategy::ring, 1}, {Strategy::ulysses, 1}, {Strategy::hybrid, 2}})
-    if (P % U == 0) schedules.push_back({s, U});
-  constexpr LayoutKind kLayouts[] = {LayoutKind::varlen, LayoutKind::zigzag,
-                                     LayoutKind::contiguous};
-  int n = 0;
-  for (const auto& [name, cu] : test::empty_documents_cases(pb.S)) {
-    for (bool causal : {true, false}) {
-      // fp32 and bf16, and the three layouts, in turn: over the 12 (boundaries, causal) pairs
-      // each (mask, layout) and (dtype, layout) pair comes twice, each boundaries case under
-      // two layouts.
-      const DType dt = n % 2 == 0 ? DType::f32 : DType::bf16;
-      const Mask mask = Mask::document(cu, causal), cut = test::without_empty_documents(mask);
-      const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
-      const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 611);
-      const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 612);
-      const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 613);
-      const auto ref = cpu::attention_reference(qg, kg, vg, spec_cut);
-      const LayoutKind lk = kLayouts[n++ % 3];
-      const bool varlen = lk == LayoutKind::varlen;
-      const Layout layout = varlen ? Layout::varlen(cu, P) : make_layout(lk, pb, P);
-      const Layout layout_cut = varlen ? Layout::varlen(*cut.documents, P) : layout;
-      for (const StrategyRun& sc : schedules) {
-        Runtime& rt = test::world_runtime(sc.ulysses);
-        const int me = rt.cp_rank();
-        SCOPED_TRACE(testing::Message() << name << " " << mask.str() << " " << dtype_name(dt) << " "
-                                        << layout.str() << " " << strategy_name(sc.strategy)
-                                        << " U=" << sc.ulysses << ", rank " << me);
-        const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
-                     v = layout.dispatch(vg, me);
-        rt.reset_counters();
-        const Partial res = attention(rt, q, k, v, spec, layout, sc.strategy);
-        const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
-        const Partial res_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
-        const int64_t Sl = layout.local_len(me);
-        EXPECT_TRUE(test::matches_reference(
-            res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, Sl, pb.Hq, pb.Dv, ref, pb.S,
-            [&](int64_t i) { return layout.global_position(me, i); }, test::tolerance_for(dt)));
-        EXPECT_EQ(std::memcmp(res.out.data(), res_cut.out.data(), res.out.nbytes()), 0) << "out";
-        EXPECT_EQ(std::memcmp(res.lse.data(), res_cut.lse.data(), res.lse.nbytes()), 0) << "lse";
-        const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
-        const uint64_t model =
-            attention_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
-        EXPECT_EQ(sent, model);
-        EXPECT_EQ(model,
-                  attention_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt, model_u, me));
-      }
+  for (const test::EmptyDocumentsRun& run : test::empty_documents_runs(pb.S, P)) {
+    const auto& [name, mask, cut, dt, layout, layout_cut] = run;
+    const AttnSpec spec = make_spec(pb, mask), spec_cut = make_spec(pb, cut);
+    const Tensor qg = test::random_tensor({pb.B, pb.S, pb.Hq, pb.D}, dt, 611);
+    const Tensor kg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.D}, dt, 612);
+    const Tensor vg = test::random_tensor({pb.B, pb.S, pb.Hkv, pb.Dv}, dt, 613);
+    const auto ref = cpu::attention_reference(qg, kg, vg, spec_cut);
+    for (const test::ScheduleRun& sc : test::empty_documents_schedules(P)) {
+      Runtime& rt = test::world_runtime(sc.ulysses);
+      const int me = rt.cp_rank();
+      SCOPED_TRACE(testing::Message()
+                   << name << " " << mask.str() << " " << dtype_name(dt) << " " << layout.str()
+                   << " " << strategy_name(sc.strategy) << " U=" << sc.ulysses << ", rank " << me);
+      const Tensor q = layout.dispatch(qg, me), k = layout.dispatch(kg, me),
+                   v = layout.dispatch(vg, me);
+      rt.reset_counters();
+      const Partial res = attention(rt, q, k, v, spec, layout, sc.strategy);
+      const uint64_t sent = rt.counters().bytes("send") + rt.counters().bytes("alltoall");
+      const Partial res_cut = attention(rt, q, k, v, spec_cut, layout_cut, sc.strategy);
+      const int64_t Sl = layout.local_len(me);
+      EXPECT_TRUE(test::matches_reference(
+          res.out.ptr<float>(), res.lse.ptr<float>(), pb.B, Sl, pb.Hq, pb.Dv, ref, pb.S,
+          [&](int64_t i) { return layout.global_position(me, i); }, test::tolerance_for(dt)));
+      EXPECT_EQ(std::memcmp(res.out.data(), res_cut.out.data(), res.out.nbytes()), 0) << "out";
+      EXPECT_EQ(std::memcmp(res.lse.data(), res_cut.lse.data(), res.lse.nbytes()), 0) << "lse";
+      const int model_u = sc.strategy == Strategy::ulysses ? P : sc.ulysses;
+      const uint64_t model = attention_send_bytes(sc.strategy, layout, spec, pb.B, dt, model_u, me);
+      EXPECT_EQ(sent, model);
+      EXPECT_EQ(model,
+                attention_send_bytes(sc.strategy, layout_cut, spec_cut, pb.B, dt, model_u, me));
     }
   }
 }

@@ -20,8 +20,8 @@
 #include "src/mla.h"
 #include "src/runtime.h"
 #include "src/star.h"
-#include "tests/test_nonfinite.h"
 #include "tests/mpi_support.h"
+#include "tests/test_nonfinite.h"
 #include "tests/test_reference.h"
 
 namespace dattn {

@@ -19,15 +19,16 @@ die() { echo "dattn setup: error: $*" >&2; exit 1; }
 # compiled before), Open MPI, Boost.Program_options (the CLI), nlohmann's JSON (the benchmarks'
 # JSON files), Boost.Context (the fibers of the CUDA emulation's threads, tests/emu),
 # GoogleTest/GoogleMock, OpenBLAS with its pthread variant (the CPU tile GEMMs; without it the
-# reference BLAS is used, ~50x slower), oneDNN (the tile GEMMs on AVX-512, AVX512-BF16 and AMX),
-# clang-format for the format check, clang with its sanitizer and libFuzzer runtimes and its
+# reference BLAS is used, ~50x slower), oneDNN (the tile GEMMs on AVX-512, AVX512-BF16 and AMX)
+# with the OpenCL loader's headers, which its CMake package requires (only a recommendation of
+# libdnnl-dev, which --no-install-recommends skips: without them configure fails), clang-format for the format check, clang with its sanitizer and libFuzzer runtimes and its
 # OpenMP (the fuzz build, DATTN_FUZZ), and, for Debian's /usr/bin/python3, matplotlib for the
 # charts of launch/plot.py and what the Python binding (python/) builds and is tested with: its
 # headers, pybind11, numpy, torch (CPU) and mpi4py (built on Debian's Open MPI, dattn's: the
 # tests of dattn.from_comm), and venv for launch/pypi_venv.sh.
 packages=(cmake g++ make ccache libopenmpi-dev openmpi-bin libboost-program-options-dev
           nlohmann-json3-dev libboost-context-dev libgtest-dev libgmock-dev libopenblas-dev
-          libopenblas0-pthread libdnnl-dev clang-format clang libclang-rt-dev libomp-dev
+          libopenblas0-pthread libdnnl-dev ocl-icd-opencl-dev clang-format clang libclang-rt-dev libomp-dev
           python3-matplotlib python3-dev python3-venv pybind11-dev python3-numpy python3-torch python3-mpi4py)
 # Thrust (kernels/movement, OMP backend): the CUDA toolkit's CCCL when it is there, else Debian's.
 if [[ ! -f /usr/local/cuda/include/cccl/thrust/version.h ]]; then

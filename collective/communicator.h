@@ -5,6 +5,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <string>
@@ -128,6 +131,37 @@ class Communicator {
  protected:
   ByteCounters counters_;
   std::string name_;
+};
+
+// The requests a schedule has in flight, completed on every way out of the scope that posted
+// them. Why: a step posts its transfers, starts them and runs a kernel before it waits; if the
+// kernel (an allocation, a launch error) throws, unwinding frees the step's buffers while the
+// transfers still read or write them (a GPU's memory pool may even hand them out again, since the
+// stream that frees is not ordered after NCCL's), and the peers wait forever for the other half.
+// Declared after the buffers it covers, its destructor completes the transfers first (under the
+// communicator's deadline); a failure there ends the process, since nothing safe is left to do.
+class InFlight {
+ public:
+  explicit InFlight(Communicator& comm) : comm_(comm) {}
+  ~InFlight() {
+    if (requests_.empty()) return;
+    try {
+      comm_.wait_all(requests_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dattn: %s, while completing the transfers in flight; aborting\n",
+                   e.what());
+      std::abort();
+    }
+  }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+
+  void add(RequestPtr request) { requests_.push_back(std::move(request)); }
+  void wait() { comm_.wait_all(requests_); }  // completes every request added so far
+
+ private:
+  Communicator& comm_;
+  std::vector<RequestPtr> requests_;
 };
 
 }  // namespace dattn

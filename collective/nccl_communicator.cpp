@@ -450,21 +450,14 @@ RequestPtr NcclCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
 // One group for all pending operations: NCCL progresses a group's sends and receives together,
 // so a ring step (send to next, receive from prev on every rank) cannot deadlock, which separate
 // ncclSend/ncclRecv calls would (each blocks its stream until its peer's matching call runs).
-// Within the batch each peer's sends, and each peer's receives, are ordered by tag (stable, so
-// equal tags keep posting order): both sides of a pair then issue matching messages in the same
-// order even where they posted them differently, as MPI's tag matching would pair them.
-// Zero-byte messages are skipped on both sides (sizes must match, so both skip).
+// The batch is issued in nccl_issue_order (collective/p2p_batch.h): by peer, then tag.
 void NcclCommunicator::flush() {
   follow_default_stream();
   if (pending_.empty()) return;
-  std::vector<PendingOp> ops;
+  std::vector<P2pOp> ops;
   ops.swap(pending_);
-  std::stable_sort(ops.begin(), ops.end(), [](const PendingOp& a, const PendingOp& b) {
-    return std::tie(a.peer, a.send, a.tag) < std::tie(b.peer, b.send, b.tag);
-  });
   NcclGroup group;
-  for (const PendingOp& op : ops) {
-    if (op.bytes == 0) continue;
+  for (const P2pOp& op : nccl_issue_order(std::move(ops))) {
     if (op.send)
       DATTN_NCCL_CHECK_ASYNC(ncclSend(op.buf, op.bytes, ncclUint8, op.peer, comm_, stream_));
     else

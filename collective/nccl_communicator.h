@@ -13,6 +13,7 @@
 
 #include "collective/communicator.h"
 #include "collective/mpi_communicator.h"
+#include "collective/p2p_batch.h"
 
 namespace dattn {
 
@@ -93,14 +94,6 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split_node() const override;
 
  private:
-  struct PendingOp {
-    bool send = false;
-    void* buf = nullptr;
-    size_t bytes = 0;
-    int peer = 0;
-    int tag = 0;
-  };
-
   // Takes ownership of control, comm (already initialised) and, if owns_stream, stream.
   NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm, cudaStream_t stream,
                    bool owns_stream, cudaEvent_t done, cudaEvent_t ready, int device);
@@ -136,7 +129,7 @@ class NcclCommunicator final : public Communicator {
   int size_ = 1;
   double timeout_s_ = kDefaultTimeoutS;
   std::vector<int> world_ranks_;  // rank in this group -> rank in MPI_COMM_WORLD
-  std::vector<PendingOp> pending_;
+  std::vector<P2pOp> pending_;    // posted, not yet issued
 };
 
 }  // namespace dattn

@@ -114,19 +114,19 @@ Partial ring_decode(Communicator& comm, const Tensor& q, const std::vector<Run>&
   Tensor buf[2] = {pack_shard(c, biggest), byte_buffer(biggest, c.device())};
   for (int step = 0; step < P; ++step) {
     const int origin = (me - step + P) % P, incoming = (me - step - 1 + 2 * P) % P;
-    std::vector<RequestPtr> pending;
-    if (step + 1 < P) {  // every shard goes all the way round: all new queries see all of it
+    InFlight pending(comm);  // after the buffers: completed before they go, even on a throw
+    if (step + 1 < P) {      // every shard goes all the way round: all new queries see all of it
       if (bytes_of(incoming) > 0)
-        pending.push_back(
+        pending.add(
             comm.irecv(buf[(step + 1) % 2].data(), bytes_of(incoming), (me - 1 + P) % P, 201));
       if (bytes_of(origin) > 0)
-        pending.push_back(comm.isend(buf[step % 2].data(), bytes_of(origin), (me + 1) % P, 201));
+        pending.add(comm.isend(buf[step % 2].data(), bytes_of(origin), (me + 1) % P, 201));
     }
     comm.start();  // the next hop runs while this shard is attended
     parts[size_t(origin)] = empty_partial(q, c.spec());
     attend_packed(q, q_runs, static_cast<const char*>(buf[step % 2].data()), c, origin,
                   parts[size_t(origin)]);
-    comm.wait_all(pending);
+    pending.wait();
   }
   const int64_t B = q.size(0), Sq = q.size(1), H = c.spec().heads_q, Dv = c.spec().dim_v();
   for (int r = 1; r < P; ++r)

@@ -45,16 +45,16 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
   for (int step = 0; step < P; ++step) {
     const int origin = (me - step + P) % P;            // whose block this rank holds now
     const int incoming = (me - step - 1 + 2 * P) % P;  // whose block prev holds now
-    std::vector<RequestPtr> pending;
+    InFlight pending(comm);  // after the buffers: completed before they go, even on a throw
     // 1. Next hop: receive prev's block, send ours, if some rank ahead still needs them.
     const bool receive = ring_forwards(layout, spec.mask, incoming, step);
     if (receive) {
-      pending.push_back(comm.irecv(kbuf[(step + 1) % 2].data(), k_bytes(incoming), prev, kTagK));
-      pending.push_back(comm.irecv(vbuf[(step + 1) % 2].data(), v_bytes(incoming), prev, kTagV));
+      pending.add(comm.irecv(kbuf[(step + 1) % 2].data(), k_bytes(incoming), prev, kTagK));
+      pending.add(comm.irecv(vbuf[(step + 1) % 2].data(), v_bytes(incoming), prev, kTagV));
     }
     if (holding && ring_forwards(layout, spec.mask, origin, step)) {
-      pending.push_back(comm.isend(cur_k, k_bytes(origin), next, kTagK));
-      pending.push_back(comm.isend(cur_v, v_bytes(origin), next, kTagV));
+      pending.add(comm.isend(cur_k, k_bytes(origin), next, kTagK));
+      pending.add(comm.isend(cur_v, v_bytes(origin), next, kTagV));
     }
     // 2. Attend our queries to the block we hold, overlapped with the messages (started first:
     // a backend that defers them, NCCL, issues them now).
@@ -63,7 +63,7 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
       attend_runs(q, layout.runs(me), cur_k, cur_v, layout.local_len(origin), layout.runs(origin),
                   spec, res);
     // 3. The received block is the next step's.
-    comm.wait_all(pending);
+    pending.wait();
     holding = receive;
     cur_k = kbuf[(step + 1) % 2].data();
     cur_v = vbuf[(step + 1) % 2].data();

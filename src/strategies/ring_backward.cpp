@@ -39,6 +39,12 @@ struct GradBlock {
 GradBlock split(float* acc, int64_t B, int64_t rows, const AttnSpec& spec) {
   return {acc, acc + B * rows * spec.heads_kv * spec.head_dim};
 }
+// This rank's finished dK|dV (a whole accumulator of its own block) into the gradients.
+void copy_home(Gradients& g, const float* acc, int64_t B, int64_t Sl, int64_t G, int64_t D,
+               int64_t Dv) {
+  std::memcpy(g.dk.data(), acc, size_t(B * Sl * G * D) * sizeof(float));
+  std::memcpy(g.dv.data(), acc + B * Sl * G * D, size_t(B * Sl * G * Dv) * sizeof(float));
+}
 }  // namespace
 
 Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Tensor& k,
@@ -61,55 +67,63 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
   int last = 0;
   while (last < P - 1 && ring_forwards(layout, spec.mask, me, last))
     ++last;
-  // My block's finished gradient comes home from its last holder (when it left at all).
-  std::vector<float> home(last > 0 ? grad_floats(me) : 0);
-  RequestPtr home_recv;
-  if (last > 0)
-    home_recv = comm.irecv(home.data(), home.size() * sizeof(float), (me + last) % P, kTagReturn);
 
   const int64_t max_len = layout.max_local_len();
   std::vector<char> kbuf[2], vbuf[2];
-  std::vector<float> acc[2];  // the accumulator of the block held at step s: acc[s % 2]
+  std::vector<float> acc_in, acc_out;  // the held block's accumulator: received, passed on
   for (int i = 0; i < 2 && P > 1; ++i) {
     kbuf[i].resize(size_t(B * max_len) * k_row);
     vbuf[i].resize(size_t(B * max_len) * v_row);
-    acc[i].resize(size_t(B * max_len * grad_row));
+  }
+  if (P > 1) {
+    acc_in.resize(size_t(B * max_len * grad_row));
+    acc_out.resize(acc_in.size());
   }
   std::vector<float> mine(size_t(B * max_len * grad_row));  // this rank's contribution
-  RequestPtr acc_send[2];  // the send of acc[i], waited before acc[i] is reused
+  // My block's finished gradient, from its last holder (when it left at all).
+  std::vector<float> home(last > 0 ? grad_floats(me) : 0);
+  InFlight pending(comm);  // after the buffers: completed before they go, even on a throw
 
+  // The order of issue is NCCL's concern too (it matches a peer's messages in issue order, tags
+  // ignored, and completes an issued batch only when every message in it has met its peer's):
+  // every message between two ranks is posted in the same step on both sides, so each step's
+  // batch meets its peers' batches of that step. A step posts its receives and sends, starts
+  // them with the accumulator that left in the previous step, runs the kernel and waits for all.
+  // The home message leaves its last holder at step last and is received at step last + 1
+  // (after the loop where that is P).
   const void* cur_k = k.data();
   const void* cur_v = v.data();
   bool holding = true;
   for (int step = 0; step < P; ++step) {
     const int origin = (me - step + P) % P;
     const int incoming = (me - step - 1 + 2 * P) % P;
-    const int buf = step % 2;
-    std::vector<RequestPtr> pending;
     // 1. K/V: the forward's hops. Then the accumulator of the block held now, which the previous
-    //    holder sends once it has added its part (waited for only after the kernel below).
+    //    holder sent at the end of its last step.
     const bool receive = ring_forwards(layout, spec.mask, incoming, step);
     if (receive) {
-      pending.push_back(
+      pending.add(
           comm.irecv(kbuf[(step + 1) % 2].data(), size_t(B * rows(incoming)) * k_row, prev, kTagK));
-      pending.push_back(
+      pending.add(
           comm.irecv(vbuf[(step + 1) % 2].data(), size_t(B * rows(incoming)) * v_row, prev, kTagV));
     }
     const bool forward = holding && step < P - 1 && ring_forwards(layout, spec.mask, origin, step);
     if (forward) {
-      pending.push_back(comm.isend(cur_k, size_t(B * rows(origin)) * k_row, next, kTagK));
-      pending.push_back(comm.isend(cur_v, size_t(B * rows(origin)) * v_row, next, kTagV));
+      pending.add(comm.isend(cur_k, size_t(B * rows(origin)) * k_row, next, kTagK));
+      pending.add(comm.isend(cur_v, size_t(B * rows(origin)) * v_row, next, kTagV));
     }
-    RequestPtr acc_recv;
-    if (holding && step > 0) {
-      if (acc_send[buf]) comm.wait(acc_send[buf]);  // acc[buf] left two steps ago
-      acc_recv = comm.irecv(acc[buf].data(), grad_floats(origin) * sizeof(float), prev, kTagGrad);
-    }
+    if (holding && step > 0)
+      pending.add(comm.irecv(acc_in.data(), grad_floats(origin) * sizeof(float), prev, kTagGrad));
+    const bool home_now = last > 0 && step == last + 1;
+    if (home_now)
+      pending.add(
+          comm.irecv(home.data(), home.size() * sizeof(float), (me + last) % P, kTagReturn));
+    comm.start();
 
-    // 2. This rank's part: dq in place, dK|dV of the held block into `mine` (step 0: my block).
+    // 2. This rank's part: dq in place, dK|dV of the held block into `mine` (step 0: straight
+    //    into the accumulator that leaves).
+    const bool visible = holding && layout.any_visible(spec.mask, me, origin);
     if (holding) {
-      const bool visible = layout.any_visible(spec.mask, me, origin);
-      float* target = step == 0 ? (P > 1 ? acc[0].data() : nullptr) : mine.data();
+      float* target = step == 0 ? (P > 1 ? acc_out.data() : nullptr) : mine.data();
       if (step == 0 && P == 1) {
         backward_runs(q, layout.runs(me), cur_k, cur_v, rows(origin), layout.runs(origin), dout,
                       lse, delta, spec, g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>());
@@ -121,39 +135,33 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
       } else if (step == 0) {
         std::memset(target, 0, grad_floats(origin) * sizeof(float));
       }
-
-      // 3. The block's running sum, then on along the ring or home.
-      if (P > 1) {
-        float* sum = acc[buf].data();
-        const size_t n = grad_floats(origin);
-        if (step > 0) {
-          comm.wait(acc_recv);
-          if (visible)
-            for (size_t i = 0; i < n; ++i)
-              sum[i] += mine[i];
-        }
-        if (forward) {
-          acc_send[buf] = comm.isend(sum, n * sizeof(float), next, kTagGrad);
-        } else if (origin == me) {
-          std::memcpy(g.dk.data(), sum, size_t(B * Sl * G * D) * sizeof(float));
-          std::memcpy(g.dv.data(), sum + B * Sl * G * D, size_t(B * Sl * G * Dv) * sizeof(float));
-        } else {
-          acc_send[buf] = comm.isend(sum, n * sizeof(float), origin, kTagReturn);
-        }
-      }
     }
-    comm.wait_all(pending);
+    pending.wait();  // this step's K/V and accumulator, and the one that left last step
+    if (home_now) copy_home(g, home.data(), B, Sl, G, D, Dv);
+
+    // 3. The block's running sum (acc_out is free: its last send completed above), then on
+    //    along the ring or home.
+    if (holding && P > 1) {
+      const size_t n = grad_floats(origin);
+      if (step > 0)
+        for (size_t i = 0; i < n; ++i)
+          acc_out[i] = visible ? acc_in[i] + mine[i] : acc_in[i];
+      if (forward)
+        pending.add(comm.isend(acc_out.data(), n * sizeof(float), next, kTagGrad));
+      else if (origin == me)
+        copy_home(g, acc_out.data(), B, Sl, G, D, Dv);
+      else
+        pending.add(comm.isend(acc_out.data(), n * sizeof(float), origin, kTagReturn));
+    }
     holding = receive;
     cur_k = kbuf[(step + 1) % 2].data();
     cur_v = vbuf[(step + 1) % 2].data();
   }
-  for (RequestPtr& r : acc_send)
-    if (r) comm.wait(r);
-  if (home_recv) {
-    comm.wait(home_recv);
-    std::memcpy(g.dk.data(), home.data(), size_t(B * Sl * G * D) * sizeof(float));
-    std::memcpy(g.dv.data(), home.data() + B * Sl * G * D, size_t(B * Sl * G * Dv) * sizeof(float));
-  }
+  const bool home_last = last > 0 && last + 1 == P;
+  if (home_last)
+    pending.add(comm.irecv(home.data(), home.size() * sizeof(float), (me + last) % P, kTagReturn));
+  pending.wait();
+  if (home_last) copy_home(g, home.data(), B, Sl, G, D, Dv);
   return g;
 }
 

@@ -52,7 +52,7 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
   check_qkv(q, k, v, spec, device);
   // The kernels' limits, caught here, agreed by every rank, before any data moves (the kernel's
   // own checks would fire mid-schedule, on one rank).
-  check_attention_limits(q.device(), q.dtype(), spec, q.size(0));
+  check_attention_limits(q.device(), q.dtype(), spec, q.size(0), -1);
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
       "strategy", int(strategy), "ring, ulysses or hybrid");
@@ -173,6 +173,11 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   const int U = ulysses_degree_of(rt, strategy);
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
+    // Its kernels and schedules run on host memory, which a GPU Runtime's cp group (NCCL) cannot
+    // move: on hardware the first send would fault.
+    DATTN_CHECK_ARG(rt.device().is_cpu(), "runtime device", rt.device().str(),
+                    "cpu for attention_backward (the backward runs on the host, and a GPU "
+                    "Runtime's communicators move device memory only)");
     check_attention_call(comm, q, k, v, spec, layout, strategy, U, nullptr);
     check_backward_inputs(q, fwd, dout, spec);
     if (rt.check_finite())

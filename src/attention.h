@@ -57,8 +57,9 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
 // call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out
 // ([B, S_local, H_q, D_v], any storage dtype). Probabilities are recomputed blockwise from lse;
 // nothing of size S x S is stored. Gradients accumulate in fp32 in a fixed order, so repeated
-// calls give bit-identical results. Host tensors only: the backward has no CUDA kernel (cuda
-// tensors throw on every rank before any data moves).
+// calls give bit-identical results. Host tensors on a CPU Runtime only: the backward has no CUDA
+// kernel, and a GPU Runtime's communicators (NCCL) move device memory only; cuda tensors or a
+// GPU Runtime throw on every rank before any data moves.
 Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                              const Layout& layout, Strategy strategy = Strategy::ring);

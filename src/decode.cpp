@@ -195,7 +195,7 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, DecodeStrateg
     DATTN_CHECK_ARG(cache.device() == rt.device(), "cache device", cache.device().str(),
                     detail::cat(rt.device().str(), " (the Runtime's device)"));
     // The kernels' limits, caught here, agreed by every rank, before any data moves.
-    check_attention_limits(rt.device(), q.dtype(), cache.spec(), q.size(0));
+    check_attention_limits(rt.device(), q.dtype(), cache.spec(), q.size(0), q.size(1));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(q.size(0) == cache.batch(), "q batch", q.size(0), cache.batch());

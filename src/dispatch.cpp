@@ -371,9 +371,30 @@ void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask&
 
 // ================================================================== kernel limits
 
-void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch) {
+void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch,
+                            int64_t q_rows) {
   if (device.is_cpu()) return;
   cuda::check_attention_limits(dtype, spec.head_dim, spec.dim_v(), batch, spec.heads_q);
+#if DATTN_WITH_CUDA
+  // The kernels' shared memory against this device's opt-in limit, which differs between GPUs
+  // (an sm_86/89 device has 99 KiB, under the forward's 134 KiB at head_dim 128): on hardware the
+  // launch would fail mid-schedule, on the ranks with the smaller device only.
+  int optin = 0;
+  DATTN_CUDA_CHECK(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index));
+  auto check = [&](const char* kernel, size_t bytes) {
+    DATTN_CHECK_ARG(bytes <= size_t(optin), "head_dim",
+                    detail::cat(spec.head_dim, " (head_dim_v ", spec.dim_v(), ")"),
+                    detail::cat("dims whose ", kernel, " fits ", device.str(), ": it needs ", bytes,
+                                " bytes of shared memory per block, the device allows ", optin,
+                                " (cudaDevAttrMaxSharedMemoryPerBlockOptin)"));
+  };
+  check("decode kernel", cuda::decode_shared_bytes(spec.head_dim, spec.dim_v()));
+  if (q_rows < 0 || !cuda::decode_kernel_fits(q_rows))
+    check("attention forward kernel", cuda::attention_shared_bytes(spec.head_dim, spec.dim_v()));
+#else
+  (void)q_rows;
+#endif
 }
 
 void check_mla_limits(Device device, const Mask& mask, int64_t nlat, int64_t nrope, int64_t batch,

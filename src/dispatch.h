@@ -105,9 +105,13 @@ void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask&
 // ------------------------------------------------------------------ kernel limits
 
 // What the kernels run on `device` (for cuda, kernels/cuda/limits.h: bf16/fp16, head dims, grid
-// limits); nothing on the host. Throws dattn::Error naming the value; the entry points call them
-// inside their agreed validation, so that every rank fails before data moves.
-void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch);
+// limits, and the kernels' shared memory against the device's opt-in limit); nothing on the
+// host. q_rows: the most query rows one block of the call holds, which decides the kernels (the
+// decode kernel up to kMaxDecodeQueryRows, the forward above); -1: any (prefill). Throws
+// dattn::Error naming the value; the entry points call them inside their agreed validation, so
+// that every rank fails before data moves.
+void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch,
+                            int64_t q_rows);
 // The MLA decode step of one rank's slice: nlat latent and nrope RoPE columns, batch x seq_q
 // queries, qk_nope, and the mask (a band on cuda).
 void check_mla_limits(Device device, const Mask& mask, int64_t nlat, int64_t nrope, int64_t batch,

@@ -229,9 +229,11 @@ Tensor Layout::dispatch(const Tensor& global, int rank) const {
   }
   std::vector<int64_t> idx;
   append_global_rows(idx, runs(rank), global_seq_, len, global.size(0));
-  movement::host::gather_rows(shard.data(), global.data(), idx.data(), int64_t(idx.size()),
+  // On the host; a GPU tensor comes over and its shard goes back to its device.
+  const Tensor host = global.device().is_cpu() ? global : global.to_device(Device::cpu());
+  movement::host::gather_rows(shard.data(), host.data(), idx.data(), int64_t(idx.size()),
                               row_bytes(global));
-  return shard;
+  return global.device().is_cpu() ? shard : shard.to_device(global.device());
 }
 
 Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
@@ -247,8 +249,12 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
   size_t total = 0;
   for (int r = 0; r < ranks_; ++r)
     total += counts[size_t(r)] = size_t(B * local_len(r)) * row;
+  // Over the host-memory twin of comm (itself for MPI; NCCL's MPI side channel, since NCCL moves
+  // device memory only): a GPU shard comes to the host first, and the whole tensor goes back to
+  // its device at the end. A convenience for results and checks, not a hot path.
+  const Tensor host = shard.device().is_cpu() ? shard : shard.to_device(Device::cpu());
   std::vector<char> gathered(std::max<size_t>(total, 1));
-  comm.allgatherv(shard.data(), shard.nbytes(), gathered.data(), counts);
+  comm.control().allgatherv(host.data(), host.nbytes(), gathered.data(), counts);
   Tensor global;
   switch (shard.dim()) {
     case 2:
@@ -265,7 +271,7 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
     append_global_rows(idx, runs(r), global_seq_, local_len(r), B);
   movement::host::scatter_rows(global.data(), gathered.data(), idx.data(), int64_t(idx.size()),
                                row);
-  return global;
+  return shard.device().is_cpu() ? global : global.to_device(shard.device());
 }
 
 std::string Layout::str() const {

@@ -77,9 +77,12 @@ class Layout {
   // Whether any query held by q_rank sees any key held by k_rank under the mask.
   bool any_visible(const Mask& mask, int q_rank, int k_rank) const;
 
-  // This rank's shard of a global bshd tensor [B, global_seq, H, D] that the caller holds.
+  // This rank's shard of a global bshd tensor [B, global_seq, H, D] that the caller holds, on the
+  // global tensor's device.
   Tensor dispatch(const Tensor& global, int rank) const;
-  // Gathers every rank's bshd shard [B, local_len, H, D] into the global tensor, on every rank.
+  // Gathers every rank's bshd shard [B, local_len, H, D] into the global tensor, on every rank,
+  // on the shard's device. The data goes over comm.control(), host memory (comm itself for MPI,
+  // the MPI side channel of an NCCL communicator), so any Runtime's rt.cp() will do.
   Tensor undispatch(Communicator& comm, const Tensor& shard) const;
 
   std::string str() const;  // "zigzag(S=4096, P=4)"

@@ -18,7 +18,7 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
   const Device dev = rt.device();
   agree_on_validation(comm, "star prefill", hash_mix(hash, uint64_t(anchor)), [&] {
     check_qkv(q, k, v, spec, &dev);
-    check_attention_limits(dev, q.dtype(), spec, q.size(0));
+    check_attention_limits(dev, q.dtype(), spec, q.size(0), -1);
     DATTN_CHECK_ARG(layout.kind() == Layout::Kind::blocks, "layout", layout.str(),
                     "Layout::blocks(S, P, b) (star attention places whole blocks)");
     DATTN_CHECK_ARG(layout.ranks() == P, "layout ranks", layout.ranks(), P);
@@ -57,7 +57,7 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
                     detail::cat(dev.str(), " (the Runtime's device)"));
     DATTN_CHECK_ARG(cache.device() == dev, "cache device", cache.device().str(),
                     detail::cat(dev.str(), " (the Runtime's device)"));
-    check_attention_limits(dev, q.dtype(), spec, q.size(0));
+    check_attention_limits(dev, q.dtype(), spec, q.size(0), q.size(1));
     DATTN_CHECK_ARG(q.dtype() == cache.dtype(), "q dtype", dtype_name(q.dtype()),
                     dtype_name(cache.dtype()));
     DATTN_CHECK_ARG(

@@ -86,6 +86,26 @@ void set_mask(AttentionBlock& blk, const Mask& mask, const int64_t* device_cu_se
   }
 }
 
+size_t attention_shared_bytes(int64_t head_dim, int64_t head_dim_v) {
+  using detail::flash_smem_bytes;
+  const Variant v = pick_variant(head_dim, head_dim_v);
+  if (v.d == 192 && v.dv == 128) return flash_smem_bytes<192, 128>();
+  switch (v.d) {
+    case 32:
+      return flash_smem_bytes<32, 32>();
+    case 64:
+      return flash_smem_bytes<64, 64>();
+    case 96:
+      return flash_smem_bytes<96, 96>();
+    case 128:
+      return flash_smem_bytes<128, 128>();
+    case 192:
+      return flash_smem_bytes<192, 192>();
+    default:
+      return flash_smem_bytes<256, 256>();
+  }
+}
+
 std::string kernel_variant(DType dtype, int64_t head_dim, int64_t head_dim_v) {
   const Variant v = pick_variant(head_dim, head_dim_v);
   std::string s = dattn::detail::cat(dtype == DType::f16 ? "fp16" : "bf16", " d", v.d);

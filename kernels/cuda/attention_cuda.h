@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -42,6 +43,13 @@ void set_mask(AttentionBlock& blk, const Mask& mask, const int64_t* device_cu_se
 // (any value; the kernel pads to its instantiations). Asynchronous: returns after the launch.
 // Every field is validated before anything is launched: a bad one throws dattn::Error naming it.
 void attention_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream);
+
+// The dynamic shared memory per block the forward runs (head_dim, head_dim_v) with, and the
+// split-KV decode kernel (decode_cuda.h), whatever the 16-bit dtype. Both are above 48 KiB for
+// most dims: they opt in, up to the device's cudaDevAttrMaxSharedMemoryPerBlockOptin (227 KiB on
+// sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89).
+size_t attention_shared_bytes(int64_t head_dim, int64_t head_dim_v);
+size_t decode_shared_bytes(int64_t head_dim, int64_t head_dim_v);
 
 // The padded (head_dim, head_dim_v) instantiation a problem runs on, e.g. "bf16 d128" or
 // "fp16 d192 dv128" (reports and tests).

@@ -482,6 +482,10 @@ void launch(const DecodeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+size_t decode_shared_bytes(int64_t head_dim, int64_t head_dim_v) {
+  return smem_bytes(int((head_dim + 7) / 8 * 8), int((head_dim_v + 7) / 8 * 8));
+}
+
 void decode_forward(const AttentionBlock& blk, float* out, float* lse, cudaStream_t stream) {
   // ---------------------------------------------------------------- validation (host, first)
   DecodeParams p;

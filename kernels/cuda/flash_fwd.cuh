@@ -185,30 +185,7 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const uint16_t*
 }
 
 // ---------------------------------------------------------------- the kernel
-// Tile shapes: each warp owns 16 query rows (one MMA row block) for the whole pass, so the CTA's
-// warps share every K/V tile and never exchange softmax state. D <= 128: 8 warps (128 query
-// rows) and 64-key tiles, Q kept in registers; D > 128: 4 warps and 32-key tiles, Q re-read from
-// shared memory (O alone takes Dv/2 registers per lane), which keeps shared memory under the
-// 163 KiB an sm_80 block may use. Shared rows are padded by 8 elements (16 bytes): the 8 row
-// addresses of every ldmatrix phase then fall in distinct banks for every padded D used here.
-template <int kD>
-struct FlashTiles {
-  static constexpr int kWarps = kD <= 128 ? 8 : 4;
-  static constexpr int kBlockM = 16 * kWarps;
-  static constexpr int kBlockN = kD <= 128 ? 64 : 32;
-};
-
-// Q, two K and two V buffers; then 16 bytes for the mask of the V tile's non-finite rows, and
-// each warp's P of those rows (16 x kBlockN fp32), for the slow path below. 136 KiB at most
-// (D = 128): one CTA per SM, as the registers allow anyway.
-template <typename T, int kD, int kDv>
-constexpr size_t flash_smem_bytes() {
-  using Tiles = FlashTiles<kD>;
-  return size_t(Tiles::kBlockM * (kD + 8) + 2 * Tiles::kBlockN * (kD + 8) +
-                2 * Tiles::kBlockN * (kDv + 8)) *
-             sizeof(uint16_t) +
-         16 + size_t(Tiles::kWarps * 16 * Tiles::kBlockN) * sizeof(float);
-}
+// Tile shapes and shared memory: FlashTiles and flash_smem_bytes (flash_fwd.h).
 
 // ---------------------------------------------------------------- non-finite V rows
 // In a partially visible tile a row's P is 0 for the keys its mask hides, and 0 * NaN = NaN: a
@@ -581,7 +558,7 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
 template <typename T, int kD, int kDv>
 void launch_flash_fwd(const FlashParams& p, cudaStream_t stream) {
   using Tiles = FlashTiles<kD>;
-  constexpr size_t kSmem = flash_smem_bytes<T, kD, kDv>();
+  constexpr size_t kSmem = flash_smem_bytes<kD, kDv>();
   auto kernel = flash_fwd_kernel<T, kD, kDv>;
   // Above 48 KiB of dynamic shared memory a kernel must opt in (per device; cheap to repeat).
   DATTN_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),

@@ -19,6 +19,15 @@
 
 namespace dattn {
 
+#if DATTN_CUDA_EMULATION
+namespace emu {
+// The emulation's communicator with NCCL's semantics (tests/emu/emu_nccl_communicator.h), linked
+// into the emulated library only; declared here, since the library never includes tests/.
+std::unique_ptr<Communicator> nccl_semantics_communicator(MPI_Comm comm, double timeout_s,
+                                                          bool device_memory_only);
+}  // namespace emu
+#endif
+
 namespace {
 // Makes options.device this process's current CUDA device (a GPU runtime: kernels launch and
 // NCCL communicators are created on the current device). Throws dattn::Error naming `device`
@@ -36,21 +45,22 @@ void select_device(const Device& device) {
 }
 
 // The cp group's communicator over the MPI communicator `cp`: MPI (host buffers) on the CPU,
-// NCCL (device buffers, bootstrapped over MPI) on a GPU. Collective over cp.
+// NCCL (device buffers, bootstrapped over MPI) on a GPU. Collective over cp. Null: keep cp.
 std::unique_ptr<Communicator> cp_communicator(Communicator& cp, const Device& device,
                                               double timeout_s) {
-  if (device.is_cpu()) return nullptr;  // the caller keeps the MPI one
 #if DATTN_CUDA_EMULATION
-  // The CPU emulation of CUDA (tests/emu): its "device" memory is host memory, which the MPI
-  // communicator moves as it is.
-  (void)cp;
-  (void)timeout_s;
-  return nullptr;
+  // The CPU emulation of CUDA (tests/emu): a communicator with NCCL's matching, completion and
+  // pointer rules over MPI, on every Runtime of the emulated library (a CPU one moves host
+  // memory under NCCL's rules), so that what NCCL would not run fails there.
+  return emu::nccl_semantics_communicator(static_cast<MpiCommunicator&>(cp).comm(), timeout_s,
+                                          !device.is_cpu());
 #elif DATTN_WITH_NCCL
+  if (device.is_cpu()) return nullptr;  // the caller keeps the MPI one
   return NcclCommunicator::from_mpi(static_cast<MpiCommunicator&>(cp).comm(), timeout_s);
 #else
   (void)cp;
   (void)timeout_s;
+  if (device.is_cpu()) return nullptr;
   DATTN_THROW("invalid device = ", device.str(), ": this build has no NCCL");
 #endif
 }

@@ -18,13 +18,9 @@
 
 namespace dattn::test {
 
-// The cp group's backend on a GPU Runtime: NCCL; on the CPU emulation of CUDA (tests/emu), whose
-// "device" memory is host memory, the MPI communicator.
-#if DATTN_CUDA_EMULATION
-inline constexpr const char* kGpuBackend = "mpi";
-#else
+// The cp group's backend on a GPU Runtime: NCCL (on the CPU emulation of CUDA, tests/emu, its
+// NCCL-semantics communicator, which names itself the same).
 inline constexpr const char* kGpuBackend = "nccl";
-#endif
 
 class OneGpuPerRank : public testing::Environment {
  public:

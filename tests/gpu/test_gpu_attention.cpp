@@ -23,6 +23,9 @@
 #include "tests/gpu/partials.h"
 #include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
+#if DATTN_CUDA_EMULATION
+#include "tests/emu/fake_runtime.h"
+#endif
 
 namespace dattn {
 namespace {
@@ -211,9 +214,16 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   const Tensor qd = qh.to_device(dev), kd = kh.to_device(dev), vd = vh.to_device(dev);
 
   const Partial fwd = attention(g, qd, kd, vd, spec, layout, Strategy::ulysses);
+  // The backward on a GPU Runtime, with device tensors and with host ones (its schedules would
+  // hand host buffers to NCCL: on hardware a fault on one rank, a hang on the others).
   EXPECT_TRUE(test::throws_naming(
       [&] { (void)attention_backward(g, qd, kd, vd, fwd, fwd.out, spec, layout, Strategy::ring); },
-      {"q device", "no CUDA path yet"}));
+      {"runtime device", "cpu for attention_backward"}));
+  const Partial fwd_host = to_host(fwd);
+  for (Strategy s : {Strategy::ring, Strategy::ulysses})
+    EXPECT_TRUE(test::throws_naming(
+        [&] { (void)attention_backward(g, qh, kh, vh, fwd_host, fwd_host.out, spec, layout, s); },
+        {"runtime device", "cpu for attention_backward"}));
   EXPECT_TRUE(test::throws_naming(
       [&] { (void)attention(g, qh, kd, vd, spec, layout, Strategy::ring); }, {"q device", "cpu"}));
   const Tensor q32 = qh.to(DType::f32).to_device(dev), k32 = kh.to(DType::f32).to_device(dev),
@@ -240,6 +250,85 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(res.out.device(), dev);
 }
+
+// dispatch and undispatch on device tensors over a GPU Runtime's cp group: the shard and the
+// gathered tensor stay on the device, the bytes exact (undispatch moves them over the host control
+// path, since NCCL moves device memory only).
+TEST_F(GpuAttention, DispatchAndUndispatchDeviceTensors) {
+  Runtime& g = gpu();
+  const int P = g.cp_size(), me = g.cp_rank();
+  const Device dev = g.device();
+  for (const Layout& layout : {Layout::zigzag(kS, P), Layout::striped(kS, P, 4)}) {
+    const Tensor q = test::random_tensor({kB, kS, kHq, kD}, kDtype, 801);
+    const Tensor shard = layout.dispatch(q.to_device(dev), me);
+    ASSERT_EQ(shard.device(), dev);
+    const Tensor back = layout.undispatch(g.cp(), shard);
+    ASSERT_EQ(back.device(), dev);
+    const Tensor host = back.to_device(Device::cpu());
+    ASSERT_EQ(host.nbytes(), q.nbytes());
+    EXPECT_EQ(std::memcmp(host.data(), q.data(), q.nbytes()), 0) << layout.str();
+    const Tensor want = layout.dispatch(q, me).to_device(Device::cpu());
+    EXPECT_EQ(std::memcmp(shard.to_device(Device::cpu()).data(), want.data(), want.nbytes()), 0)
+        << layout.str();
+  }
+}
+
+#if DATTN_CUDA_EMULATION
+// A kernel that fails while a ring step's transfers are in flight (injected: the first launch
+// check of the call fails on every rank): every rank gets the error, the transfers complete before
+// their buffers are freed (the emulated runtime ends the process on a free of memory a transfer
+// still uses), and the runtime works afterwards.
+TEST_F(GpuAttention, KernelFailureWithTransfersInFlight) {
+  Runtime& g = gpu();
+  const int P = g.cp_size(), me = g.cp_rank();
+  const Layout layout = Layout::zigzag(kS, P);
+  const AttnSpec spec = make_spec(MaskKind::causal);
+  const Device dev = g.device();
+  const Tensor q = test::random_tensor({kB, kS, kHq, kD}, kDtype, 901);
+  const Tensor k = test::random_tensor({kB, kS, kHkv, kD}, kDtype, 902);
+  const Tensor v = test::random_tensor({kB, kS, kHkv, kD}, kDtype, 903);
+  const Tensor qd = layout.dispatch(q, me).to_device(dev),
+               kd = layout.dispatch(k, me).to_device(dev),
+               vd = layout.dispatch(v, me).to_device(dev);
+  emu::inject_launch_failure(0);
+  EXPECT_TRUE(
+      test::throws_naming([&] { (void)attention(g, qd, kd, vd, spec, layout, Strategy::ring); },
+                          {"cudaErrorLaunchFailure", "injected"}));
+  const Partial got = to_host(attention(g, qd, kd, vd, spec, layout, Strategy::ring));
+  const cpu::ReferenceResult ref = cpu::attention_reference(q, k, v, spec);
+  EXPECT_TRUE(test::matches_reference(
+      got.out.ptr<float>(), got.lse.ptr<float>(), kB, layout.local_len(me), kHq, kD, ref, kS,
+      [&](int64_t s) { return layout.global_position(me, s); }, kGpuTolerance));
+}
+
+// A device whose opt-in shared memory per block is an sm_86/89's 99 KiB: the forward at head_dim
+// 128 (134 KiB) fails validation on every rank, naming head_dim and the limit, before any data
+// moves; head_dim 64 (86 KiB) runs.
+TEST_F(GpuAttention, SharedMemoryAboveTheDeviceLimitIsNamed) {
+  Runtime& g = gpu();
+  const int P = g.cp_size(), me = g.cp_rank();
+  const Device dev = g.device();
+  const Layout layout = Layout::contiguous(96 * P, P);
+  emu::set_max_shared_optin(dev.index, 99 * 1024);
+  for (int64_t d : {128, 64}) {
+    AttnSpec spec = make_spec(MaskKind::causal);
+    spec.head_dim = d;
+    const Tensor q = test::random_tensor({1, 96, kHq, d}, kDtype, 11).to_device(dev);
+    const Tensor k = test::random_tensor({1, 96, kHkv, d}, kDtype, 12).to_device(dev);
+    const Tensor v = test::random_tensor({1, 96, kHkv, d}, kDtype, 13).to_device(dev);
+    if (d == 128) {
+      EXPECT_TRUE(
+          test::throws_naming([&] { (void)attention(g, q, k, v, spec, layout, Strategy::ring); },
+                              {"head_dim", "128", "attention forward kernel", "137232 bytes",
+                               "101376", "cudaDevAttrMaxSharedMemoryPerBlockOptin"}));
+    } else {
+      EXPECT_NO_THROW((void)attention(g, q, k, v, spec, layout, Strategy::ring));
+    }
+  }
+  emu::set_max_shared_optin(dev.index, 0);
+  (void)me;
+}
+#endif
 
 }  // namespace
 }  // namespace dattn

@@ -44,7 +44,8 @@ struct State {
   std::multimap<uintptr_t, std::pair<size_t, std::string>> held;  // base -> (bytes, what)
   int inject_after = -1;  // inject_launch_failure: checks to pass first; -1: none
   cudaError_t last_error = cudaSuccess;
-  std::string message;  // of the last error set with a message
+  std::string message;                      // of the last error set with a message...
+  cudaError_t message_error = cudaSuccess;  // ... which was this one
 };
 State& state() {
   static State s;
@@ -157,6 +158,7 @@ void set_last_error(cudaError_t error, const std::string& message) {
   std::lock_guard lock(state().mutex);
   state().last_error = error;
   state().message = message;
+  state().message_error = error;
 }
 
 void inject_launch_failure(int after) {
@@ -205,6 +207,7 @@ cudaError_t cudaFree(void* ptr) {
     s.last_error = cudaErrorInvalidValue;
     s.message =
         "cudaFree(" + hex(ptr) + "): not the start of a live device allocation (emulated runtime)";
+    s.message_error = cudaErrorInvalidValue;
     return cudaErrorInvalidValue;
   }
   const size_t bytes = std::max<size_t>(it->second.bytes, 1);
@@ -326,6 +329,7 @@ cudaError_t cudaGetLastError() {
   if (s.inject_after == 0) {
     s.inject_after = -1;
     s.message = "unspecified launch failure (injected by a test: inject_launch_failure)";
+    s.message_error = cudaErrorLaunchFailure;
     return cudaErrorLaunchFailure;
   }
   if (s.inject_after > 0) --s.inject_after;
@@ -375,6 +379,7 @@ const char* cudaGetErrorString(cudaError_t error) {
   // pointer stays valid while the caller formats it.
   thread_local std::string copy;
   std::lock_guard lock(state().mutex);
-  copy = state().message.empty() ? "error (emulated runtime)" : state().message;
+  copy = state().message_error == error && !state().message.empty() ? state().message
+                                                                    : "error (emulated runtime)";
   return copy.c_str();
 }

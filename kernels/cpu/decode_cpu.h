@@ -23,10 +23,11 @@ inline bool decode_kernel_wins(int64_t q_len) {
 }
 
 // The instruction sets the kernel's loops are built for, best last; tests run every one the CPU
-// has (isa <= decode_best_isa()).
-enum class DecodeIsa { baseline, x86_64_v3, x86_64_v4 };
+// has (isa <= decode_best_isa()). x86_64_v4_bf16 adds AVX512-BF16, whose dot products of bf16
+// pairs compute a bf16 cache's scores (DecodeJob::q16).
+enum class DecodeIsa { baseline, x86_64_v3, x86_64_v4, x86_64_v4_bf16 };
 DecodeIsa decode_best_isa();
-const char* decode_isa_name(DecodeIsa isa);  // "x86-64-v4", "x86-64-v3", "baseline"
+const char* decode_isa_name(DecodeIsa isa);  // "x86-64-v4+bf16", "x86-64-v4", "x86-64-v3", ...
 
 // attention_forward's contract (kernels/cpu/attention_cpu.h) for any block: attends blk's query
 // rows to its key rows and merges the result into the running partial out/lse; rows that see no
@@ -43,8 +44,13 @@ void decode_forward(const AttentionBlock& blk, float* out, float* lse,
 //   head_stride (elements)
 // Row r sits at global position q_pos[r]; key j at k_pos0 + (j / k_pos_block) * k_pos_stride +
 // j % k_pos_block; `mask` decides on those positions.
+//   q16 (optional, bf16 caches): the same queries in bf16 before the scale, [heads_kv, rows, d1 +
+//   d2], exact only where they came in as bf16; an instruction set with bf16 dot products then
+//   computes the scores as (q16 . k) * q16_scale, fp32 products and sums, and q serves the rest.
 struct DecodeJob {
   const float* q = nullptr;
+  const bf16* q16 = nullptr;
+  float q16_scale = 1.f;
   const int64_t* q_pos = nullptr;
   int64_t heads_kv = 1, rows = 0, d1 = 0, d2 = 0, dv = 0, n_keys = 0;
   DType dtype = DType::f32;

@@ -45,7 +45,7 @@ class Prefill final : public Workload {
        "ring, ulysses (Ulysses degree = the ranks) or hybrid (Ulysses in groups of -u, ring "
        "across)")
       ("ulysses-degree,u", po::value(&ulysses_)->default_value(ulysses_),
-       "Ulysses degree U of --strategy hybrid (divides the ranks and --kv-heads)")
+       "Ulysses degree U of --strategy hybrid (divides the ranks; a multiple or divisor of --kv-heads)")
       ("backward,B", po::bool_switch(&backward_),
        "time attention_backward (after one forward; 2.5x its FLOPs, "
        "attention_backward_send_bytes); --check checks the forward");
@@ -87,9 +87,12 @@ class Prefill final : public Workload {
       require_option(P % ulysses_ == 0, "--ulysses-degree", ulysses_,
                      cat("a divisor of the cp ranks (", P, ")"));
     }
+    require_option(G % ulysses_ == 0 || ulysses_ % G == 0, kv_what, G,
+                   cat("a multiple or a divisor of the Ulysses degree (", ulysses_,
+                       ") with --strategy ", strategy_name_));
     require_option(
-        G % ulysses_ == 0, kv_what, G,
-        cat("divisible by the Ulysses degree (", ulysses_, ") with --strategy ", strategy_name_));
+        shape_.heads / T % ulysses_ == 0, T > 1 ? "--heads / --tp" : "--heads", shape_.heads / T,
+        cat("a multiple of the Ulysses degree (", ulysses_, ") with --strategy ", strategy_name_));
 
     problem_.resolve(vm, seq_begin_, seq_end_, e.comparing());
     if (e.launch.device == "cuda") {

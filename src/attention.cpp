@@ -56,7 +56,12 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
   DATTN_CHECK_ARG(
       strategy == Strategy::ring || strategy == Strategy::ulysses || strategy == Strategy::hybrid,
       "strategy", int(strategy), "ring, ulysses or hybrid");
-  DATTN_CHECK_ARG(spec.heads_kv % U == 0, "heads_kv", spec.heads_kv,
+  // U members split the kv heads, or U / H_kv members share each one (then each member's query
+  // heads must all use that one: H_q a multiple of U).
+  DATTN_CHECK_ARG(spec.heads_kv % U == 0 || U % spec.heads_kv == 0, "heads_kv", spec.heads_kv,
+                  detail::cat("a multiple or a divisor of the Ulysses degree (", U,
+                              ") for strategy ", strategy_name(strategy)));
+  DATTN_CHECK_ARG(spec.heads_q % U == 0, "heads_q", spec.heads_q,
                   detail::cat("a multiple of the Ulysses degree (", U, ") for strategy ",
                               strategy_name(strategy)));
   DATTN_CHECK_ARG(layout.ranks() == comm.size(), "layout ranks", layout.ranks(),

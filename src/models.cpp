@@ -345,15 +345,19 @@ uint64_t ring_backward_send_bytes(const Layout& layout, const AttnSpec& spec, in
   return bytes;
 }
 
-namespace {
-// The spec of one Ulysses member: H/U heads, the same scale.
-AttnSpec heads_of_member(const AttnSpec& spec, int U) {
+int ulysses_kv_share(const AttnSpec& spec, int U) {
+  return U > spec.heads_kv ? U / int(spec.heads_kv) : 1;
+}
+
+AttnSpec ulysses_member_spec(const AttnSpec& spec, int U) {
   AttnSpec sub = spec;
   sub.heads_q = spec.heads_q / U;
-  sub.heads_kv = spec.heads_kv / U;
+  sub.heads_kv = spec.heads_kv / (U / ulysses_kv_share(spec, U));
   sub.softmax_scale = spec.scale();
   return sub;
 }
+
+namespace {
 
 // The bytes the Ulysses all-to-alls of `rank` send to the other members of its group: its rows of
 // their heads (in_row bytes a token), and their rows of its heads back (out_row bytes a token).
@@ -389,7 +393,7 @@ uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const Att
                               int64_t batch, DType dtype, int ulysses, int rank) {
   const int U = strategy == Strategy::ring ? 1 : ulysses;
   if (U == 1) return ring_send_bytes(layout, spec, batch, dtype, rank);
-  const AttnSpec sub = heads_of_member(spec, U);
+  const AttnSpec sub = ulysses_member_spec(spec, U);
   const int64_t esz = int64_t(dtype_size(dtype)), f = sizeof(float);
   const uint64_t in_row = token_bytes({{sub.heads_q, sub.head_dim, esz},
                                        {sub.heads_kv, sub.head_dim, esz},
@@ -407,7 +411,7 @@ double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnS
   const int U = strategy == Strategy::ring ? 1 : ulysses;
   const Layout groups = U == 1 ? Layout() : layout.grouped(U);
   const Layout& l = U == 1 ? layout : groups;
-  const AttnSpec sub = heads_of_member(spec, U);
+  const AttnSpec sub = ulysses_member_spec(spec, U);
   const int me = rank / U, P = l.ranks();
   // Per computed tile: S = QK^T and O += PV over kTileQ x kTileK scores, every query head.
   const double per_score =
@@ -426,7 +430,7 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
                                        int ulysses, int rank) {
   const int U = strategy == Strategy::ring ? 1 : ulysses;
   if (U == 1) return ring_backward_send_bytes(layout, spec, batch, dtype, rank);
-  const AttnSpec sub = heads_of_member(spec, U);
+  const AttnSpec sub = ulysses_member_spec(spec, U);
   const int64_t esz = int64_t(dtype_size(dtype)), f = sizeof(float);
   const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = sub.head_dim, Dv = sub.dim_v();
   // Q, K, V in the storage dtype; dout, lse and delta in fp32; dq, dk, dv back in fp32.

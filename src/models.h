@@ -25,12 +25,19 @@ double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSp
 uint64_t ring_send_bytes(const Layout& layout, const AttnSpec& spec, int64_t batch, DType dtype,
                          int rank);
 
+// The heads of one member of a Ulysses group of U ranks: H_q / U query heads and H_kv / U
+// key/value heads, or, where U is a multiple of H_kv, one key/value head that U / H_kv members
+// share (ulysses_kv_share: member j holds kv head j / share). The same softmax scale.
+AttnSpec ulysses_member_spec(const AttnSpec& spec, int U);
+int ulysses_kv_share(const AttnSpec& spec, int U);
+
 // Bytes `rank` (a cp rank) sends in one attention call of `strategy`, point-to-point and
 // all-to-all together (validation's small allreduce excluded). `ulysses` is the Ulysses degree U:
 // ring 1, ulysses the number of cp ranks, hybrid the runtime's. Ulysses sends each other member
 // of its group its rows of the other members' heads (Q, K, V in the storage dtype) and, on the
 // way back, their rows of its heads (out and lse, fp32); hybrid adds the ring over the groups
-// with H / U heads.
+// with H / U heads. With U > H_kv each member gets its one kv head (ulysses_member_spec), so
+// each K/V head travels to the U / H_kv members that use it, never expanded to H_q heads.
 uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const AttnSpec& spec,
                               int64_t batch, DType dtype, int ulysses, int rank);
 

@@ -67,7 +67,8 @@ const char* mask_name(MaskKind m) {
 }
 
 // S = 48 in fp32 (divides by 1..4 and the zigzag chunks), S = 61 in bf16 with B = 2 and
-// D_v != D (divides by nothing); GQA 4:1 and 2:1. H_kv divides by every Ulysses degree here.
+// D_v != D (divides by nothing); GQA 4:1 and 2:1; S = 29 with one kv head (MQA): every Ulysses
+// degree past H_kv, the members' dk and dv of their shared head summed.
 struct Problem {
   int64_t S, B, Hq, Hkv, D, Dv;
   DType dtype;
@@ -76,6 +77,7 @@ struct Problem {
 const Problem kProblems[] = {
     {48, 1, 16, 4, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}},
     {61, 2, 8, 4, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}},
+    {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}},
 };
 
 struct Case {
@@ -207,7 +209,9 @@ TEST_P(Backward, MatchesReferenceAndByteModel) {
   const Strategy strategy = c.schedule == Schedule::ring      ? Strategy::ring
                             : c.schedule == Schedule::ulysses ? Strategy::ulysses
                                                               : Strategy::hybrid;
-  if (strategy == Strategy::ulysses && pb.Hkv % P != 0) GTEST_SKIP() << "H_kv % P != 0";
+  const int heads_u = strategy == Strategy::ulysses ? P : U;
+  if (pb.Hkv % heads_u != 0 && heads_u % pb.Hkv != 0)
+    GTEST_SKIP() << "H_kv " << pb.Hkv << " neither divides nor is a multiple of U = " << heads_u;
   Runtime& rt = runtime(U);
   const int me = rt.cp_rank();
   const Layout layout = make_layout(c.layout, pb, P);

@@ -439,12 +439,13 @@ TEST_F(AttentionErrors, DocumentsNotEndingAtGlobalSeq) {
   }
 }
 
-// Ulysses splits the K/V heads over the cp ranks: heads_kv must divide by them.
+// Ulysses splits the K/V heads over the cp ranks, or shares each over P / heads_kv of them:
+// heads_kv must be a multiple or a divisor of P, and heads_q a multiple of P.
 TEST_F(AttentionErrors, UlyssesHeadsKvNotDivisibleByCpRanks) {
   if (P < 2) GTEST_SKIP() << "every heads_kv divides by 1 rank";
   Call c(P, me);
   for (int64_t hkv = 1; hkv <= 6; ++hkv) {
-    if (hkv % P == 0) continue;
+    if (hkv % P == 0 || P % hkv == 0) continue;
     c.spec.heads_kv = hkv;
     c.spec.heads_q = 2 * hkv;
     c.make_tensors(me);
@@ -459,6 +460,15 @@ TEST_F(AttentionErrors, UlyssesHeadsKvNotDivisibleByCpRanks) {
   EXPECT_NO_THROW(attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ring));
   c.spec.heads_kv = P;
   c.spec.heads_q = 2 * P;
+  c.make_tensors(me);
+  EXPECT_NO_THROW(attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses));
+  // One kv head shared by all P ranks: heads_q must still split over them.
+  c.spec.heads_kv = 1;
+  c.spec.heads_q = P + 1;
+  c.make_tensors(me);
+  EXPECT_TRUE(rejects([&] { attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses); },
+                      {"heads_q"}));
+  c.spec.heads_q = P;
   c.make_tensors(me);
   EXPECT_NO_THROW(attention(*rt, c.q, c.k, c.v, c.spec, c.layout, Strategy::ulysses));
 }

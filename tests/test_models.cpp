@@ -52,7 +52,7 @@ double pairs_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSpec& 
 // One Ulysses member's heads (the models do not read the scale).
 AttnSpec member_spec(AttnSpec spec, int U) {
   spec.heads_q /= U;
-  spec.heads_kv /= U;
+  spec.heads_kv = U > spec.heads_kv ? 1 : spec.heads_kv / U;  // one shared kv head past H_kv
   return spec;
 }
 
@@ -200,7 +200,9 @@ Problem random_problem(std::mt19937_64& rng) {
   p.batch = int64_t(1 + rng() % 3);
   std::vector<int> divisors;
   for (int u = 1; u <= P; ++u)
-    if (P % u == 0 && p.spec.heads_kv % u == 0) divisors.push_back(u);
+    if (P % u == 0 && p.spec.heads_q % u == 0 &&
+        (p.spec.heads_kv % u == 0 || u % p.spec.heads_kv == 0))
+      divisors.push_back(u);
   p.ulysses = divisors[rng() % divisors.size()];
   p.strategy = p.ulysses == 1   ? Strategy::ring
                : p.ulysses == P ? Strategy::ulysses
@@ -314,7 +316,9 @@ TEST(ClosedFormModels, EmptyDocumentsAsIfRemoved) {
             for (int step = 0; step < P; ++step)
               EXPECT_EQ(ring_forwards(l, s.mask, r, step), ring_forwards(lw, w.mask, r, step));
             for (int U = 1; U <= P; ++U) {
-              if (P % U != 0 || spec.heads_kv % U != 0) continue;
+              if (P % U != 0 || spec.heads_q % U != 0 ||
+                  (spec.heads_kv % U != 0 && U % spec.heads_kv != 0))
+                continue;
               const Strategy st = U == 1   ? Strategy::ring
                                   : U == P ? Strategy::ulysses
                                            : Strategy::hybrid;

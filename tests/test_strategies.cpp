@@ -102,7 +102,9 @@ const char* mask_name(MaskKind m) {
 // Three problem sizes: S = 48 (divides by 1..4 and by the zigzag chunks 2P) in fp32, S = 61
 // (divides by nothing) in bf16 with B = 2 and D_v != D, and S = 7 in fp16 (fewer tokens than the
 // zigzag chunks: some runs, and under striped(3) at P = 4 a whole rank, hold no token). H_kv = 12
-// divides by every cp size and Ulysses degree here; H_q = 4 H_kv (GQA).
+// divides by every cp size and Ulysses degree here; H_q = 4 H_kv (GQA). S = 29 has one kv head
+// (MQA), so every Ulysses degree U > 1 is past H_kv (U = 2, 3, 4 H_kv: the members share it), and
+// S = 20 two, shared by U = 4 (2 H_kv), split by U = 2, and refused by U = 3 (test_errors).
 struct Problem {
   int64_t S, B, Hq, Hkv, D, Dv;
   DType dtype;
@@ -112,7 +114,14 @@ const Problem kProblems[] = {
     {48, 1, 48, 12, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}},
     {61, 2, 48, 12, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}},
     {7, 1, 48, 12, 16, 16, DType::f16, {0, 1, 2, 7}},
+    {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}},
+    {20, 2, 8, 2, 16, 8, DType::bf16, {0, 7, 8, 20}},
 };
+
+// The kv heads one Ulysses member holds: H_kv / U, or the one it shares past H_kv.
+int64_t member_kv_heads(const Problem& pb, int U) {
+  return U > pb.Hkv ? 1 : pb.Hkv / U;
+}
 
 struct StrategyCase {
   Schedule schedule;
@@ -193,8 +202,8 @@ uint64_t ulysses_closed_form(const Problem& pb, const Layout& layout, int me) {
   const int P = layout.ranks();
   const uint64_t size = dtype_size(pb.dtype);
   const uint64_t mine = uint64_t(pb.B * layout.local_len(me));
-  uint64_t bytes =
-      uint64_t(P - 1) * mine * uint64_t((pb.Hq / P) * pb.D + (pb.Hkv / P) * (pb.D + pb.Dv)) * size;
+  uint64_t bytes = uint64_t(P - 1) * mine *
+                   uint64_t((pb.Hq / P) * pb.D + member_kv_heads(pb, P) * (pb.D + pb.Dv)) * size;
   for (int o = 0; o < P; ++o)
     if (o != me)
       bytes += uint64_t(pb.B * layout.local_len(o)) * uint64_t(pb.Hq / P) * uint64_t(pb.Dv + 1) * 4;
@@ -238,6 +247,9 @@ TEST_P(StrategyAttention, MatchesReferenceAndByteModel) {
   const int P = world_size();
   const int U = runtime_ulysses(c.schedule, P);
   if (P % U != 0) GTEST_SKIP() << "Ulysses degree " << U << " does not divide " << P << " ranks";
+  const int heads_u = strategy_of(c.schedule) == Strategy::ulysses ? P : U;
+  if (pb.Hkv % heads_u != 0 && heads_u % pb.Hkv != 0)
+    GTEST_SKIP() << "H_kv " << pb.Hkv << " neither divides nor is a multiple of U = " << heads_u;
   Runtime& rt = runtime(U);
   ASSERT_EQ(rt.cp_size(), P);
   ASSERT_EQ(rt.ulysses_degree(), U);

@@ -1,16 +1,19 @@
 // Ulysses and hybrid (USP-style) attention. Inside a group of U ranks an all-to-all turns
 // sequence shards into head shards: each rank gets its group's whole sequence for H/U of the
-// heads (K/V with H_kv/U heads: GQA stays unexpanded). The group's sequence is then attended
-// locally (Ulysses: one group) or by ring attention across the R = P/U groups (hybrid), and a
-// second all-to-all returns every rank its own rows for all heads. Q, K and V travel in one
+// heads (K/V with H_kv/U heads, or with U > H_kv the one kv head its query heads use, sent to
+// each of the U/H_kv members that share it: GQA stays unexpanded). The group's sequence is then
+// attended locally (Ulysses: one group) or by ring attention across the R = P/U groups (hybrid),
+// and a second all-to-all returns every rank its own rows for all heads. Q, K and V travel in one
 // all-to-all, out and lse in the other. The backward is the same with the all-to-alls
-// transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back.
+// transposed: Q, K, V, dout, lse and delta to head shards, dq, dk, dv back (a shared kv head's
+// dk and dv summed over the members that share it).
 // The forward runs unchanged on host and GPU tensors: its buffers live on q's device, the packing
 // goes through src/dispatch.h, and attend_runs picks the kernel.
 #include <vector>
 
 #include "src/base/error.h"
 #include "src/dispatch.h"
+#include "src/models.h"
 #include "src/strategies/strategies.h"
 
 namespace dattn {
@@ -47,14 +50,34 @@ size_t copy_lse(Device dev, float* lse, int64_t B, int64_t seq, int64_t all_head
   return size_t(B * heads) * n;
 }
 
+// Adds rows [B, rows] of n fp32 values from buf into a host tensor (row_stride, batch_stride in
+// bytes): the back exchange of a kv head that several members share.
+size_t add_rows(char* tensor, const char* buf, int64_t B, int64_t rows, size_t batch_stride,
+                size_t row_stride, size_t n_bytes) {
+  const size_t n = n_bytes / sizeof(float);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst =
+          reinterpret_cast<float*>(tensor + size_t(b) * batch_stride + size_t(r) * row_stride);
+      const float* src = reinterpret_cast<const float*>(buf) + size_t(b * rows + r) * n;
+      for (size_t i = 0; i < n; ++i)
+        dst[i] += src[i];
+    }
+  return size_t(B * rows) * n_bytes;
+}
+
 // One tensor taking part in an exchange: bshd with `heads` heads per member of `dim` elements of
-// `esz` bytes, or lse-like [B, heads, S] (lse = true, dim 1, fp32).
+// `esz` bytes, or lse-like [B, heads, S] (lse = true, dim 1, fp32). `share` members hold the same
+// heads (a kv head when U > H_kv: member j holds heads [(j / share) * heads, ...) of the
+// [B, Sl, (U / share) * heads, dim] side); on the way back their shares are summed (fp32, host;
+// dst zeroed).
 struct Part {
-  const void* src;  // to_heads: [B, Sl, U * heads, dim]; back: [B, Sg, heads, dim]
-  void* dst;        // to_heads: [B, Sg, heads, dim];     back: [B, Sl, U * heads, dim]
+  const void* src;  // to_heads: [B, Sl, U / share * heads, dim]; back: [B, Sg, heads, dim]
+  void* dst;        // to_heads: [B, Sg, heads, dim];     back: [B, Sl, U / share * heads, dim]
   int64_t heads, dim;
   size_t esz;
   bool lse = false;
+  int share = 1;
 };
 
 // The group's members: rows[j] = member j's shard length, row0[j] = where it starts in the
@@ -69,10 +92,17 @@ struct Members {
 size_t copy_share(Device dev, const Part& p, char* tensor, bool tensor_is_rows, int j, int U,
                   int64_t B, int64_t Sl, const Members& m, char* buf, bool to_buffer) {
   const int64_t Sg = m.row0.back();
-  const int64_t seq = tensor_is_rows ? Sl : Sg, all_heads = tensor_is_rows ? U * p.heads : p.heads;
+  const int64_t seq = tensor_is_rows ? Sl : Sg;
+  const int64_t all_heads = tensor_is_rows ? U / p.share * p.heads : p.heads;
   const int64_t row0 = tensor_is_rows ? 0 : m.row0[size_t(j)];
   const int64_t rows = tensor_is_rows ? Sl : m.rows[size_t(j)];
-  const int64_t head0 = tensor_is_rows ? j * p.heads : 0;
+  const int64_t head0 = tensor_is_rows ? j / p.share * p.heads : 0;
+  if (p.share > 1 && tensor_is_rows && !to_buffer) {  // a shared head's share, summed
+    DATTN_ASSERT(dev.is_cpu() && p.esz == sizeof(float) && !p.lse);  // fp32 sums on the host
+    const size_t row_stride = size_t(all_heads * p.dim) * p.esz;
+    return add_rows(tensor + size_t(head0 * p.dim) * p.esz, buf, B, rows, size_t(seq) * row_stride,
+                    row_stride, size_t(p.heads * p.dim) * p.esz);
+  }
   if (p.lse)
     return copy_lse(dev, reinterpret_cast<float*>(tensor), B, seq, all_heads, row0, rows, head0,
                     p.heads, buf, to_buffer);
@@ -131,15 +161,6 @@ Members members_of(const Communicator& group, const Layout& layout, int cp_rank)
   return m;
 }
 
-// The spec of one member's heads (H / U query heads, H_kv / U key/value heads).
-AttnSpec member_spec(const AttnSpec& spec, int U) {
-  AttnSpec sub = spec;
-  sub.heads_q = spec.heads_q / U;
-  sub.heads_kv = spec.heads_kv / U;
-  sub.softmax_scale = spec.scale();
-  return sub;
-}
-
 }  // namespace
 
 Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const Tensor& q,
@@ -147,7 +168,8 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
                                  const Layout& layout, int cp_rank) {
   const int U = group.size();
   const int64_t B = q.size(0), Sl = q.size(1);
-  const AttnSpec sub = member_spec(spec, U);
+  const AttnSpec sub = ulysses_member_spec(spec, U);
+  const int share = ulysses_kv_share(spec, U);
   const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
@@ -160,8 +182,8 @@ Partial hybrid_attention_forward(Communicator& group, Communicator* ring, const 
   Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype(), dev);
   exchange(dev, group,
            {{q.data(), qg.data(), hq, D, esz},
-            {k.data(), kg.data(), hkv, D, esz},
-            {v.data(), vg.data(), hkv, Dv, esz}},
+            {k.data(), kg.data(), hkv, D, esz, false, share},
+            {v.data(), vg.data(), hkv, Dv, esz, false, share}},
            B, Sl, m, true);
 
   // 2. Attention over the group's sequence for my heads: locally, or a ring of groups.
@@ -190,7 +212,8 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
                                     const Layout& layout, int cp_rank) {
   const int U = group.size();
   const int64_t B = q.size(0), Sl = q.size(1);
-  const AttnSpec sub = member_spec(spec, U);
+  const AttnSpec sub = ulysses_member_spec(spec, U);
+  const int share = ulysses_kv_share(spec, U);
   const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = spec.head_dim, Dv = spec.dim_v();
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
@@ -206,8 +229,8 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   Tensor deltag = Tensor::empty({B, hq, Sg}, DType::f32);
   exchange(Device::cpu(), group,
            {{q.data(), qg.data(), hq, D, esz},
-            {k.data(), kg.data(), hkv, D, esz},
-            {v.data(), vg.data(), hkv, Dv, esz},
+            {k.data(), kg.data(), hkv, D, esz, false, share},
+            {v.data(), vg.data(), hkv, Dv, esz, false, share},
             {dout.data(), dog.data(), hq, Dv, f},
             {lse, lseg.data(), hq, 1, f, true},
             {delta, deltag.data(), hq, 1, f, true}},
@@ -228,13 +251,18 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   }
 
   // 3. dq, dk, dv: member j's rows of my heads back to member j.
-  Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32),
-              Tensor::empty({B, Sl, spec.heads_kv, D}, DType::f32),
-              Tensor::empty({B, Sl, spec.heads_kv, Dv}, DType::f32)};
+  // A kv head that `share` members hold gets the sum of their dk and dv (each covers its own
+  // query heads), so those start at zero.
+  auto grad = [&](int64_t heads, int64_t d) {
+    return share > 1 ? Tensor::zeros({B, Sl, heads, d}, DType::f32)
+                     : Tensor::empty({B, Sl, heads, d}, DType::f32);
+  };
+  Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32), grad(spec.heads_kv, D),
+              grad(spec.heads_kv, Dv)};
   exchange(Device::cpu(), group,
            {{part.dq.data(), g.dq.data(), hq, D, f},
-            {part.dk.data(), g.dk.data(), hkv, D, f},
-            {part.dv.data(), g.dv.data(), hkv, Dv, f}},
+            {part.dk.data(), g.dk.data(), hkv, D, f, false, share},
+            {part.dv.data(), g.dv.data(), hkv, Dv, f, false, share}},
            B, Sl, m, false);
   return g;
 }

@@ -375,8 +375,9 @@ static void run_error_paths(dattn_runtime* rt) {
         dattn_attention_forward(rt, &tq, &tk, &tk, &bad, &layout, DATTN_STRATEGY_RING, out, lse),
         DATTN_ERROR_INVALID_ARGUMENT, "heads_q");
   }
-  /* Ulysses needs heads_kv divisible by the ranks (2 heads: fails on 3 and 4 ranks). */
-  if (Hkv % g_size != 0)
+  /* Ulysses needs heads_kv a multiple or a divisor of the ranks (2 kv heads: fails on 3 ranks
+     only; 4 ranks share each kv head between two of them). */
+  if (Hkv % g_size != 0 && g_size % Hkv != 0)
     CHECK_FAILS(dattn_attention_forward(rt, &tq, &tk, &tk, &spec, &layout, DATTN_STRATEGY_ULYSSES,
                                         out, lse),
                 DATTN_ERROR_INVALID_ARGUMENT, "heads_kv");

@@ -87,8 +87,10 @@ expect_error "heads not divisible by tp" 4 "invalid --kv-heads = 2: expected div
   prefill --tp 4
 expect_error "unknown layout" 3 "invalid --layout = diagonal" prefill -l diagonal
 expect_error "layout the strategy cannot use" 2 "invalid --layout = varlen" prefill -l varlen
-expect_error "ulysses heads per tp slice" 4 "invalid --kv-heads / --tp = 1" \
-  prefill --tp 2 -a ulysses
+expect_error "ulysses kv heads per tp slice" 4 "invalid --kv-heads / --tp = 3" \
+  prefill --tp 2 -a ulysses --heads 6 --kv-heads 6
+expect_error "ulysses query heads per tp slice" 4 "invalid --heads / --tp = 3" \
+  prefill --tp 2 -a ulysses --heads 6 --kv-heads 2
 expect_error "world-size without dry-run" 2 "invalid --world-size = 8" prefill --world-size 8
 expect_error "unknown device" 2 "invalid --device = tpu" prefill --device tpu
 expect_error "negative document length" 2 "invalid --doc-lens = 30,-1,71" \

@@ -3,6 +3,7 @@
 // its backward, over a range of sequence lengths: one row per length, the bytes sent against
 // attention_send_bytes, the model's load balance, and sampled rows against float64.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -48,7 +49,10 @@ class Prefill final : public Workload {
        "Ulysses degree U of --strategy hybrid (divides the ranks; a multiple or divisor of --kv-heads)")
       ("backward,B", po::bool_switch(&backward_),
        "time attention_backward (after one forward; 2.5x its FLOPs, "
-       "attention_backward_send_bytes); --check checks the forward");
+       "attention_backward_send_bytes); --check checks the forward")
+      ("sinks", po::value(&sinks_)->default_value(sinks_),
+       "1: attention sinks, one logit per query head (gpt-oss), joined to each result "
+       "(--compare sinks=0,1 prints their cost)");
     // clang-format on
     shape_.add_options(desc);
     problem_.add_options(desc);
@@ -56,6 +60,7 @@ class Prefill final : public Workload {
 
   void resolve(const po::variables_map& vm, const EngineOptions& e) override {
     e_ = e;
+    require_option(sinks_ == 0 || sinks_ == 1, "--sinks", sinks_, "0 or 1");
     const int P = e.launch.cp, T = e.launch.tp;
     if (!vm.count("seq-end")) seq_end_ = seq_begin_;
     shape_.resolve(T);
@@ -122,6 +127,7 @@ class Prefill final : public Workload {
                 {"mask", problem_.mask_desc(seqs_.front())}});
     shape_.json(cfg);
     cfg["pass"] = backward_ ? "backward" : "forward";
+    cfg["sinks"] = sinks_;
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
@@ -175,7 +181,9 @@ class Prefill final : public Workload {
                   : attention_send_bytes(strategy_, p.layout, spec, shape_.batch, shape_.dtype,
                                          ulysses_, r);
     call.model_bytes = [&] { return model; };
-    call.counted = [](const ByteCounters& n) { return n.bytes("send") + n.bytes("alltoall"); };
+    call.counted = [](const ByteCounters& n) {
+      return n.bytes("send") + n.bytes("alltoall") + n.bytes("allreduce");  // d sinks' allreduce
+    };
     const Timing tm = b.time(c.label, call);
 
     Row row;
@@ -229,7 +237,8 @@ class Prefill final : public Workload {
         "# Check: #wrong = elements over tolerance against float64 (%lld query rows per "
         "rank, out and lse) + byte model mismatches\n# time: max over ranks of the mean; "
         "TFLOP/s = attention_flops / P / time; imbal = max / mean of attention_rank_flops; "
-        "sent = point-to-point + all-to-all per rank, max over ranks (1 MB = 1e6 B)\n",
+        "sent = point-to-point + all-to-all (+ the d sinks allreduce) per rank, max over ranks "
+        "(1 MB = 1e6 B)\n",
         static_cast<long long>(kSampleRows));
     if (b.check()) {
       const auto [out, lse] = tolerance(b.per_gpu());
@@ -277,7 +286,17 @@ class Prefill final : public Workload {
  private:
   // One tp rank's heads.
   AttnSpec heads() const { return shape_.spec(Mask::none()); }
-  Problem problem(int64_t S, int P) const { return problem_.make(heads(), S, P); }
+  // With --sinks 1, sinks of -1 to 2 in the spec (the same on every tp rank).
+  Problem problem(int64_t S, int P) const {
+    Problem p = problem_.make(heads(), S, P);
+    if (sinks_) {
+      std::vector<float> s(static_cast<size_t>(p.spec.heads_q));
+      for (size_t h = 0; h < s.size(); ++h)
+        s[h] = -1.f + 0.5f * float(h % 7);
+      p.spec.sinks = make_sinks(std::move(s));
+    }
+    return p;
+  }
 
   // attention_rank_flops and the forward's MB sent of cp rank r; the FLOPs over every cp rank.
   double rank_flops(const Problem& p, int r) const {
@@ -326,11 +345,22 @@ class Prefill final : public Workload {
     const auto row = [&](uint64_t id, int64_t b, int64_t ps, int64_t h, int64_t dim, float* out) {
       HashedRows(shape_.dtype)(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h, dim, out);
     };
-    const DecodeReference ref = merge_states(
+    DecodeReference ref = merge_states(
         shape, n,
         softmax_states(shape, pos, key_begin, key_end, 0, 1, row,
                        [&](int64_t qp, int64_t kp) { return spec.mask.visible(qp, kp); }),
         1);
+    if (spec.sinks)  // each row's normaliser gains exp(sink): lse' = log(e^lse + e^sink)
+      for (int64_t b = 0; b < shape_.batch; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < n; ++j) {
+            double& l = ref.lse[size_t((b * H + h) * n + j)];
+            const double s = (*spec.sinks)[size_t(h)], m = std::max(l, s);
+            const double lse = m + std::log(std::exp(l - m) + std::exp(s - m));
+            for (int64_t d = 0; d < Dv; ++d)
+              ref.out[size_t(((b * n + j) * H + h) * Dv + d)] *= std::exp(l - lse);
+            l = lse;
+          }
     const auto [tol_out, tol_lse] = tolerance(gpu);
     DecodeCheck c;
     c.compare(res, ref.out.data(), ref.lse.data(), H, 0, tol_out, tol_lse, &rows);
@@ -340,6 +370,7 @@ class Prefill final : public Workload {
   Shape shape_{.dtype_name = "bf16"};
   int64_t seq_begin_ = 4096, seq_end_ = 0, seq_factor_ = 2;
   std::string strategy_name_ = "ring";
+  int sinks_ = 0;
   ProblemOptions problem_;
   Strategy strategy_ = Strategy::ring;
   int ulysses_ = 1;

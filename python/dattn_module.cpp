@@ -14,6 +14,7 @@
 #include <iterator>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -388,12 +389,13 @@ struct Options {
   double softmax_scale = 0;  // 0: 1/sqrt(head_dim)
   int64_t window_left = -1;  // -1 both: no window
   int64_t window_right = -1;
-  std::vector<int64_t> cu_seqlens;    // empty: one document
-  std::string layout = "contiguous";  // contiguous, zigzag, striped, varlen, blocks
-  std::string strategy = "ring";      // ring, ulysses, hybrid
-  int ulysses_degree = 0;             // hybrid; 0: not given (a dattn.Runtime's own degree)
-  int64_t stripe_block = 1;           // striped
-  int64_t block = 0;                  // blocks: tokens per block
+  std::vector<int64_t> cu_seqlens;          // empty: one document
+  std::string layout = "contiguous";        // contiguous, zigzag, striped, varlen, blocks
+  std::string strategy = "ring";            // ring, ulysses, hybrid
+  int ulysses_degree = 0;                   // hybrid; 0: not given (a dattn.Runtime's own degree)
+  int64_t stripe_block = 1;                 // striped
+  int64_t block = 0;                        // blocks: tokens per block
+  std::optional<std::vector<float>> sinks;  // attention sinks, one per query head
 };
 
 Options options_from(const py::dict& d) {
@@ -420,6 +422,8 @@ Options options_from(const py::dict& d) {
       o.stripe_block = value.cast<int64_t>();
     else if (k == "block")
       o.block = value.cast<int64_t>();
+    else if (k == "sinks")
+      o.sinks = value.cast<std::vector<float>>();
     else
       DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: unknown option '", k, "'");
   }
@@ -449,8 +453,17 @@ dattn::AttnSpec make_spec(const Options& o, int64_t heads_q, int64_t heads_kv, i
   DATTN_CHECK_ARG(o.softmax_scale >= 0, "softmax_scale", o.softmax_scale, "> 0 (or None)");
   spec.softmax_scale = float(o.softmax_scale);
   spec.mask = make_mask(o);
+  if (o.sinks) spec.sinks = dattn::make_sinks(*o.sinks);
   spec.validate();
   return spec;
+}
+
+// dq, dk, dv, and dsinks after them when the spec has sinks.
+py::tuple gradients_result(dattn::Gradients g) {
+  py::tuple t = py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
+                               to_buffer(std::move(g.dv)));
+  if (!g.dsinks.defined()) return t;
+  return py::make_tuple(t[0], t[1], t[2], to_buffer(std::move(g.dsinks)));
 }
 
 dattn::AttnSpec make_spec(const Options& o, const dattn::Tensor& q, const dattn::Tensor& k,
@@ -583,8 +596,7 @@ py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::t
     py::gil_scoped_release release;
     g = dattn::attention_backward(*d.rt, d.q, d.k, d.v, fwd, tdout, d.spec, d.layout, d.strategy);
   }
-  return py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
-                        to_buffer(std::move(g.dv)));
+  return gradients_result(std::move(g));
 }
 
 py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
@@ -613,8 +625,7 @@ py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const
     py::gil_scoped_release release;
     g = dattn::attention_local_backward(tq, tk, tv, fwd, tdout, spec);
   }
-  return py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
-                        to_buffer(std::move(g.dv)));
+  return gradients_result(std::move(g));
 }
 
 // The C++ side of the binding-overhead benchmark (examples/python/binding_overhead.py): seconds per

@@ -103,11 +103,15 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
     check_attention_call(comm, q, k, v, spec, layout, strategy, U, &device);
     if (rt.check_finite()) check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}});
   });
-  if (U == 1) return ring_attention_forward(comm, q, k, v, spec, layout);
-  if (strategy == Strategy::ulysses)
-    return hybrid_attention_forward(comm, nullptr, q, k, v, spec, layout, comm.rank());
-  return hybrid_attention_forward(rt.ulysses_group(), &rt.ring_group(), q, k, v, spec, layout,
-                                  comm.rank());
+  // The schedules compute plain partials; the sinks join the merged result once.
+  const AttnSpec plain = spec.without_sinks();
+  Partial res = U == 1 ? ring_attention_forward(comm, q, k, v, plain, layout)
+                : strategy == Strategy::ulysses
+                    ? hybrid_attention_forward(comm, nullptr, q, k, v, plain, layout, comm.rank())
+                    : hybrid_attention_forward(rt.ulysses_group(), &rt.ring_group(), q, k, v, plain,
+                                               layout, comm.rank());
+  if (spec.sinks) add_sinks(res, *spec.sinks);
+  return res;
 }
 
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
@@ -115,9 +119,11 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
   check_qkv(q, k, v, spec);
   if (check_finite_env())
     check_local_finite({{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}});
-  Partial res = empty_partial(q, spec);
+  const AttnSpec plain = spec.without_sinks();
+  Partial res = empty_partial(q, plain);
   attend_runs(q, {Run{0, q_pos0, 1, q.size(1)}}, k.data(), v.data(), k.size(1),
-              {Run{0, k_pos0, 1, k.size(1)}}, spec, res);
+              {Run{0, k_pos0, 1, k.size(1)}}, plain, res);
+  if (spec.sinks) add_sinks(res, *spec.sinks);
   return res;
 }
 
@@ -150,6 +156,32 @@ void check_backward_inputs(const Tensor& q, const Partial& fwd, const Tensor& do
   DATTN_CHECK_ARG(fwd.lse.dtype() == DType::f32, "fwd.lse dtype", dtype_name(fwd.lse.dtype()),
                   "fp32 (attention's lse)");
 }
+
+// The sinks' gradient of this rank's rows: with the sink's probability p = exp(sink - lse) in a
+// row (lse the forward's, which counts the sink), d sink = -p * delta, delta = dout . out;
+// summed over the rows (batch, positions) of each head, in float64, in row order. lse and delta
+// [B, H, S] fp32.
+std::vector<double> sinks_grad_rows(const std::vector<float>& sinks, const Tensor& lse,
+                                    const Tensor& delta) {
+  const int64_t B = lse.size(0), H = lse.size(1), S = lse.size(2);
+  const float* l = lse.ptr<float>();
+  const float* d = delta.ptr<float>();
+  std::vector<double> g(size_t(H), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s) {
+        const size_t i = size_t((b * H + h) * S + s);
+        g[size_t(h)] -= std::exp(double(sinks[size_t(h)]) - double(l[i])) * double(d[i]);
+      }
+  return g;
+}
+
+Tensor as_f32_tensor(const std::vector<double>& x) {
+  Tensor t = Tensor::empty({int64_t(x.size())}, DType::f32);
+  for (size_t i = 0; i < x.size(); ++i)
+    t.ptr<float>()[i] = float(x[i]);
+  return t;
+}
 }  // namespace
 
 Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -165,9 +197,11 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
               Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32),
               Tensor::zeros({B, Sk, spec.heads_kv, spec.dim_v()}, DType::f32)};
   const Tensor delta = backward_delta(dout, fwd.out);
+  // The probabilities come from fwd.lse, which counts the sinks: dq, dk and dv need nothing else.
   backward_runs(q, {Run{0, q_pos0, 1, Sq}}, k.data(), v.data(), Sk, {Run{0, k_pos0, 1, Sk}}, dout,
-                fwd.lse.ptr<float>(), delta.ptr<float>(), spec, g.dq.ptr<float>(),
+                fwd.lse.ptr<float>(), delta.ptr<float>(), spec.without_sinks(), g.dq.ptr<float>(),
                 g.dk.ptr<float>(), g.dv.ptr<float>());
+  if (spec.sinks) g.dsinks = as_f32_tensor(sinks_grad_rows(*spec.sinks, fwd.lse, delta));
   return g;
 }
 
@@ -192,13 +226,27 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   const Tensor dout32 = dout.dtype() == DType::f32 ? dout : dout.to(DType::f32);
   const Tensor delta = backward_delta(dout32, fwd.out);
   const float* lse = fwd.lse.ptr<float>();
-  if (U == 1)
-    return ring_attention_backward(comm, q, k, v, dout32, lse, delta.ptr<float>(), spec, layout);
-  if (strategy == Strategy::ulysses)
-    return hybrid_attention_backward(comm, nullptr, q, k, v, dout32, lse, delta.ptr<float>(), spec,
-                                     layout, comm.rank());
-  return hybrid_attention_backward(rt.ulysses_group(), &rt.ring_group(), q, k, v, dout32, lse,
-                                   delta.ptr<float>(), spec, layout, comm.rank());
+  // The probabilities come from fwd.lse, which counts the sinks: the schedules need nothing else.
+  const AttnSpec plain = spec.without_sinks();
+  Gradients g =
+      U == 1
+          ? ring_attention_backward(comm, q, k, v, dout32, lse, delta.ptr<float>(), plain, layout)
+      : strategy == Strategy::ulysses
+          ? hybrid_attention_backward(comm, nullptr, q, k, v, dout32, lse, delta.ptr<float>(),
+                                      plain, layout, comm.rank())
+          : hybrid_attention_backward(rt.ulysses_group(), &rt.ring_group(), q, k, v, dout32, lse,
+                                      delta.ptr<float>(), plain, layout, comm.rank());
+  if (spec.sinks) {
+    // Each rank's rows, then the sum over the cp ranks (every rank gets it).
+    const std::vector<double> mine = sinks_grad_rows(*spec.sinks, fwd.lse, delta);
+    const Tensor part = as_f32_tensor(mine);
+    g.dsinks = part;
+    if (comm.size() > 1) {
+      g.dsinks = Tensor::empty({int64_t(mine.size())}, DType::f32);
+      comm.allreduce(part.data(), g.dsinks.data(), mine.size(), DType::f32, ReduceOp::sum);
+    }
+  }
+  return g;
 }
 
 }  // namespace dattn

@@ -155,6 +155,9 @@ dattn::AttnSpec make_spec(const dattn_spec* s) {
       DATTN_THROW("invalid spec.mask = ", c_enum(s->mask),
                   ": expected DATTN_MASK_NONE (0), CAUSAL (1), WINDOW (2) or DOCUMENT (3)");
   }
+  if (s->sinks)
+    spec.sinks = dattn::make_sinks(
+        std::vector<float>(s->sinks, s->sinks + std::max<int64_t>(s->heads_q, 0)));
   spec.validate();
   return spec;
 }
@@ -346,13 +349,11 @@ extern "C" dattn_status dattn_attention_forward(dattn_runtime* runtime, const da
   });
 }
 
-extern "C" dattn_status dattn_attention_backward(dattn_runtime* runtime, const dattn_tensor* q,
-                                                 const dattn_tensor* k, const dattn_tensor* v,
-                                                 const float* out, const float* lse,
-                                                 const dattn_tensor* dout, const dattn_spec* spec,
-                                                 const dattn_layout* layout,
-                                                 dattn_strategy strategy, dattn_buffer dq,
-                                                 dattn_buffer dk, dattn_buffer dv) {
+extern "C" dattn_status dattn_attention_backward(
+    dattn_runtime* runtime, const dattn_tensor* q, const dattn_tensor* k, const dattn_tensor* v,
+    const float* out, const float* lse, const dattn_tensor* dout, const dattn_spec* spec,
+    const dattn_layout* layout, dattn_strategy strategy, dattn_buffer dq, dattn_buffer dk,
+    dattn_buffer dv, dattn_buffer dsinks) {
   return guarded("dattn_attention_backward", [&] {
     dattn::Runtime& rt = runtime_of(runtime);
     std::optional<Call> c;
@@ -371,11 +372,17 @@ extern "C" dattn_status dattn_attention_backward(dattn_runtime* runtime, const d
       check_output(dq, c->q.numel(), "dq", "the size of q");
       check_output(dk, c->k.numel(), "dk", "the size of k");
       check_output(dv, c->v.numel(), "dv", "the size of v");
+      if (c->spec.sinks)
+        check_output(dsinks, c->spec.heads_q, "dsinks", "heads_q (one per sink)");
+      else
+        DATTN_CHECK_ARG(dsinks.data == nullptr && dsinks.numel == 0, "dsinks",
+                        cat(dsinks.numel, " floats"), "{NULL, 0} without spec.sinks");
     });
     dattn::Gradients g = dattn::attention_backward(rt, c->q, c->k, c->v, fwd, dout_t, c->spec,
                                                    c->layout, c->strategy);
     copy_out(g.dq, dq);
     copy_out(g.dk, dk);
     copy_out(g.dv, dv);
+    if (g.dsinks.defined()) copy_out(g.dsinks, dsinks);
   });
 }

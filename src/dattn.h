@@ -137,6 +137,9 @@ typedef struct dattn_spec {
   const int64_t* cu_seqlens;         /* DATTN_MASK_DOCUMENT: [0, e1, ..., S], S the global seq,
                                         non-decreasing (a repeated entry: an empty document) */
   int64_t num_cu_seqlens;
+  const float* sinks; /* attention sinks: heads_q finite logits, one per query head, each joining
+                         its rows' softmax as a key with no value (lse counts it; a row of no key:
+                         out 0, lse the sink); NULL: none */
 } dattn_spec;
 
 /* ---------------------------------------------------------------- attention */
@@ -161,14 +164,15 @@ dattn_status dattn_attention_forward(dattn_runtime* runtime, const dattn_tensor*
 /* Distributed attention backward, with the arguments of the forward call that produced out
  * [B, S_local, heads_q, head_dim_v] and lse [B, heads_q, S_local] (fp32), and dout, the gradient
  * of out (any dtype, the shape of out). Writes dq (the shape of q), dk (of k) and dv (of v), fp32;
- * for GQA dk and dv sum over each group's query heads. Repeated calls give bit-identical results.
- */
+ * for GQA dk and dv sum over each group's query heads; with spec->sinks, dsinks (heads_q fp32,
+ * summed over every rank's rows, the same on each), else dsinks must be {NULL, 0}. Repeated calls
+ * give bit-identical results. */
 dattn_status dattn_attention_backward(dattn_runtime* runtime, const dattn_tensor* q,
                                       const dattn_tensor* k, const dattn_tensor* v,
                                       const float* out, const float* lse, const dattn_tensor* dout,
                                       const dattn_spec* spec, const dattn_layout* layout,
                                       dattn_strategy strategy, dattn_buffer dq, dattn_buffer dk,
-                                      dattn_buffer dv);
+                                      dattn_buffer dv, dattn_buffer dsinks);
 
 #ifdef __cplusplus
 }

@@ -172,7 +172,7 @@ uint64_t KvCache::hash() const {
                      spec_.mask.hash(), uint64_t(batch_), uint64_t(dtype_), uint64_t(placement_),
                      uint64_t(length_), uint64_t(prefill_len_)})
     h = hash_mix(h, x);
-  return h;
+  return spec_.sinks_hash(h);
 }
 
 // ================================================================== the decode step
@@ -215,15 +215,13 @@ Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, DecodeStrateg
   });
   // The new queries are the last S_q tokens of the context.
   const std::vector<Run> q_runs = {Run{0, cache.length() - Sq, 1, Sq}};
-  switch (strategy) {
-    case DecodeStrategy::tree:
-      return tree_decode(rt, q, q_runs, cache);
-    case DecodeStrategy::ring:
-      return ring_decode(comm, q, q_runs, cache);
-    case DecodeStrategy::allgather:
-      break;
-  }
-  return allgather_decode(comm, q, q_runs, cache);
+  Partial res = strategy == DecodeStrategy::tree   ? tree_decode(rt, q, q_runs, cache)
+                : strategy == DecodeStrategy::ring ? ring_decode(comm, q, q_runs, cache)
+                                                   : allgather_decode(comm, q, q_runs, cache);
+  // The schedules merge plain partials (their kernels ignore the sinks); the sinks join the
+  // merged result once.
+  if (cache.spec().sinks) add_sinks(res, *cache.spec().sinks);
+  return res;
 }
 
 uint64_t decode_send_bytes(DecodeStrategy strategy, const KvCache& c, int64_t s_q, int node_size,

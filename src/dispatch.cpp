@@ -217,6 +217,27 @@ void clear_partial(Partial& p) {
 #endif
 }
 
+void add_sinks(Partial& p, const std::vector<float>& sinks) {
+  if (!p.out.defined()) return;
+  const int64_t B = p.out.size(0), S = p.out.size(1), H = p.out.size(2), Dv = p.out.size(3);
+  DATTN_ASSERT(int64_t(sinks.size()) == H);
+  if (p.out.device().is_cpu()) {
+    movement::host::add_sinks(p.out.ptr<float>(), p.lse.ptr<float>(), sinks.data(), B, S, H, Dv);
+    return;
+  }
+#if DATTN_WITH_CUDA
+  // The sinks to device memory, one small copy per call; freed on return in the order of the
+  // default stream, after the kernel that reads them (src/base/tensor.h).
+  const Tensor s = byte_buffer(sinks.size() * sizeof(float), p.out.device());
+  DATTN_CUDA_CHECK(
+      cudaMemcpy(s.data(), sinks.data(), sinks.size() * sizeof(float), cudaMemcpyHostToDevice));
+  movement::cuda::add_sinks(p.out.ptr<float>(), p.lse.ptr<float>(), s.ptr<float>(), B, S, H, Dv,
+                            nullptr);
+#else
+  no_cuda(p.out.device());
+#endif
+}
+
 Partial empty_partial(const Tensor& q, const AttnSpec& spec) {
   const int64_t B = q.size(0), S = q.size(1);
   Partial p{Tensor::empty({B, S, spec.heads_q, spec.dim_v()}, DType::f32, q.device()),

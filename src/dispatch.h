@@ -55,6 +55,11 @@ void weigh_partial(Device device, float* packed, const float* out, const float* 
 void unweigh_partial(Device device, float* out, float* lse, const float* packed, const float* m,
                      int64_t batch, int64_t seq, int64_t heads, int64_t dv);
 
+// Joins attention sinks (AttnSpec::sinks, one per head of p) to a merged partial, in place, on
+// its device: movement::{host,cuda}::add_sinks. An undefined p (a rank without the result) is
+// left alone.
+void add_sinks(Partial& p, const std::vector<float>& sinks);
+
 // ------------------------------------------------------------------ kernels
 
 // Attends q's rows q_runs (rows of q and their global positions) to the rows k_runs of a K/V

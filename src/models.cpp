@@ -429,7 +429,11 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
                                        const AttnSpec& spec, int64_t batch, DType dtype,
                                        int ulysses, int rank) {
   const int U = strategy == Strategy::ring ? 1 : ulysses;
-  if (U == 1) return ring_backward_send_bytes(layout, spec, batch, dtype, rank);
+  // With sinks, their gradient's sum-allreduce over the cp ranks (heads_q fp32).
+  const uint64_t sinks = spec.sinks && layout.ranks() > 1 ? uint64_t(spec.heads_q) * 4 : 0;
+  if (U == 1)
+    return add(ring_backward_send_bytes(layout, spec, batch, dtype, rank), sinks,
+               "attention backward send bytes");
   const AttnSpec sub = ulysses_member_spec(spec, U);
   const int64_t esz = int64_t(dtype_size(dtype)), f = sizeof(float);
   const int64_t hq = sub.heads_q, hkv = sub.heads_kv, D = sub.head_dim, Dv = sub.dim_v();
@@ -441,7 +445,7 @@ uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
   if (layout.ranks() / U > 1)
     bytes = add(bytes, ring_backward_send_bytes(layout.grouped(U), sub, batch, dtype, rank / U),
                 "attention backward send bytes");
-  return bytes;
+  return add(bytes, sinks, "attention backward send bytes");
 }
 
 // ================================================================== star attention

@@ -56,7 +56,7 @@ uint64_t ring_backward_send_bytes(const Layout& layout, const AttnSpec& spec, in
 // Bytes `rank` sends in one attention_backward call of `strategy` (as attention_send_bytes):
 // Ulysses / hybrid send Q, K, V (storage dtype) with dout, lse and delta (fp32) to the other
 // members of the group, get dq, dk, dv (fp32) back, and hybrid adds the ring backward over the
-// groups.
+// groups. With sinks (more than one rank) the allreduce of their gradient adds heads_q x 4.
 uint64_t attention_backward_send_bytes(Strategy strategy, const Layout& layout,
                                        const AttnSpec& spec, int64_t batch, DType dtype,
                                        int ulysses, int rank);

@@ -35,7 +35,9 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
       check_finite_tensor(v, "v", position);
     }
   });
-  return star_attention_prefill(comm, q, k, v, spec, layout, anchor);
+  Partial res = star_attention_prefill(comm, q, k, v, spec.without_sinks(), layout, anchor);
+  if (spec.sinks) add_sinks(res, *spec.sinks);  // once, on the merged result
+  return res;
 }
 
 Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
@@ -74,7 +76,11 @@ Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
       check_finite_rows(cache.v(), "cache v", 0, cache.local_len(), position);
     }
   });
-  return star_attention_decode(comm, q, cache);
+  // The merged result lives on the query rank only (the others get an undefined Partial); the
+  // sinks join it once.
+  Partial res = star_attention_decode(comm, q, cache);
+  if (spec.sinks) add_sinks(res, *spec.sinks);
+  return res;
 }
 
 }  // namespace dattn

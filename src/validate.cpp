@@ -116,7 +116,7 @@ uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strat
                      uint64_t(spec.dim_v()), uint64_t(scale_bits), spec.mask.hash(), layout.hash(),
                      uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})
     h = hash_mix(h, x);
-  return h;
+  return spec.sinks_hash(h);
 }
 
 }  // namespace dattn

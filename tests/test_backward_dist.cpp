@@ -68,16 +68,18 @@ const char* mask_name(MaskKind m) {
 
 // S = 48 in fp32 (divides by 1..4 and the zigzag chunks), S = 61 in bf16 with B = 2 and
 // D_v != D (divides by nothing); GQA 4:1 and 2:1; S = 29 with one kv head (MQA): every Ulysses
-// degree past H_kv, the members' dk and dv of their shared head summed.
+// degree past H_kv, the members' dk and dv of their shared head summed. S = 61 and 29 have
+// attention sinks: d sinks too, summed over every rank's rows.
 struct Problem {
   int64_t S, B, Hq, Hkv, D, Dv;
   DType dtype;
   std::vector<int64_t> cu_seqlens;
+  bool sinks = false;
 };
 const Problem kProblems[] = {
     {48, 1, 16, 4, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}},
-    {61, 2, 8, 4, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}},
-    {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}},
+    {61, 2, 8, 4, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}, true},
+    {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}, true},
 };
 
 struct Case {
@@ -139,6 +141,7 @@ AttnSpec make_spec(const Problem& pb, const Mask& mask) {
   spec.head_dim = pb.D;
   spec.head_dim_v = pb.Dv;
   spec.mask = mask;
+  if (pb.sinks) spec.sinks = test::sinks_for(pb.Hq);
   return spec;
 }
 
@@ -240,9 +243,25 @@ TEST_P(Backward, MatchesReferenceAndByteModel) {
     if (test::print_errors())
       std::printf("%s %s rel err %.3g\n", case_name(c).c_str(), name, e.relative());
   }
+  // d sinks: every rank holds the sum over all rows.
+  ASSERT_EQ(grads.dsinks.defined(), pb.sinks) << where;
+  if (pb.sinks) {
+    ASSERT_EQ(grads.dsinks.numel(), pb.Hq);
+    double max_ref = 0, max_err = 0;
+    for (int64_t h = 0; h < pb.Hq; ++h) {
+      const double ref = g.ref.dsinks[size_t(h)];
+      max_ref = std::max(max_ref, std::abs(ref));
+      max_err = std::max(max_err, std::abs(double(grads.dsinks.ptr<float>()[h]) - ref));
+    }
+    EXPECT_GT(max_ref, 0.0);
+    EXPECT_LE(max_err, kGradTol * max_ref + 1e-7)
+        << "dsinks: max |err| " << max_err << " vs max |ref| " << max_ref << ", " << where;
+  }
 
-  // Bytes: exactly the model (point-to-point and all-to-all; the rest is validation's control).
-  const uint64_t sent = counters.bytes("send") + counters.bytes("alltoall");
+  // Bytes: exactly the model (point-to-point, all-to-all and the allreduce of d sinks; the rest
+  // is validation's control).
+  const uint64_t sent =
+      counters.bytes("send") + counters.bytes("alltoall") + counters.bytes("allreduce");
   const int model_u = strategy == Strategy::ring ? 1 : strategy == Strategy::ulysses ? P : U;
   EXPECT_EQ(sent,
             attention_backward_send_bytes(strategy, layout, spec, pb.B, pb.dtype, model_u, me))
@@ -254,7 +273,7 @@ TEST_P(Backward, MatchesReferenceAndByteModel) {
   const Gradients again = attention_backward(rt, q, k, v, fwd, dout, spec, layout, strategy);
   for (const auto& [a, b, name] :
        {std::tuple{&grads.dq, &again.dq, "dq"}, std::tuple{&grads.dk, &again.dk, "dk"},
-        std::tuple{&grads.dv, &again.dv, "dv"}})
+        std::tuple{&grads.dv, &again.dv, "dv"}, std::tuple{&grads.dsinks, &again.dsinks, "dsinks"}})
     EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs, " << where;
 }
 

@@ -73,6 +73,7 @@ typedef struct problem {
   int doc_causal;
   const int64_t* cu;
   int64_t ncu;
+  const float* sinks; /* H logits, or NULL */
 } problem;
 
 static int64_t doc_of(const problem* p, int64_t pos) {
@@ -97,16 +98,18 @@ static int visible(const problem* p, int64_t i, int64_t j) {
 }
 
 /* Global tensors are bshd with the full sequence S. Writes out [B,S,H,Dv], lse [B,H,S] and, when
- * dout is given, dq [B,S,H,D], dk [B,S,Hkv,D], dv [B,S,Hkv,Dv] (all float64, zeroed here). */
+ * dout is given, dq [B,S,H,D], dk [B,S,Hkv,D], dv [B,S,Hkv,Dv] and, with sinks, dsinks [H] (all
+ * float64, zeroed here). A sink joins its rows' normaliser as a key with no value. */
 static void reference(const problem* p, const float* q, const float* k, const float* v,
                       const float* dout, double* out, double* lse, double* dq, double* dk,
-                      double* dv) {
+                      double* dv, double* dsinks) {
   const int64_t B = p->B, S = p->S, H = p->H, Hkv = p->Hkv, D = p->D, Dv = p->Dv;
   double* prob = xmalloc(sizeof(double) * (size_t)S);
   if (dout) {
     memset(dq, 0, sizeof(double) * (size_t)(B * S * H * D));
     memset(dk, 0, sizeof(double) * (size_t)(B * S * Hkv * D));
     memset(dv, 0, sizeof(double) * (size_t)(B * S * Hkv * Dv));
+    if (p->sinks) memset(dsinks, 0, sizeof(double) * (size_t)H);
   }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -124,7 +127,9 @@ static void reference(const problem* p, const float* q, const float* k, const fl
           prob[j] = s * p->scale;
           if (prob[j] > m) m = prob[j];
         }
-        double sum = 0;
+        const double sink = p->sinks ? (double)p->sinks[h] : -INFINITY;
+        if (sink > m) m = sink;
+        double sum = exp(sink - m);
         for (int64_t j = 0; j < S; ++j) {
           prob[j] = prob[j] == -INFINITY ? 0 : exp(prob[j] - m);
           sum += prob[j];
@@ -145,6 +150,7 @@ static void reference(const problem* p, const float* q, const float* k, const fl
         double delta = 0;
         for (int64_t e = 0; e < Dv; ++e)
           delta += (double)doi[e] * oi[e];
+        if (p->sinks) dsinks[h] -= exp(sink - m) / sum * delta;
         for (int64_t j = 0; j < S; ++j) {
           if (prob[j] == 0) continue;
           const float* vj = v + ((b * S + j) * Hkv + g) * Dv;
@@ -217,12 +223,12 @@ static const int64_t kEmptyDocs[] = {0, 0, 7, 20, 20, 20, 21, 37, 37};
  * reference kDocs. */
 static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
                           dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
-                          int backward, const int64_t* cu, int64_t ncu) {
+                          int backward, const int64_t* cu, int64_t ncu, const float* sinks) {
   const int64_t B = 2, S = 37;
-  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5};
+  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5, sinks};
 
   dattn_layout layout = {lk, S, 2, cu, ncu};
-  dattn_spec spec = {H, Hkv, D, Dv, 0.0f, mk, p.left, p.right, p.doc_causal, cu, ncu};
+  dattn_spec spec = {H, Hkv, D, Dv, 0.0f, mk, p.left, p.right, p.doc_causal, cu, ncu, sinks};
 
   int64_t n = -1;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
@@ -242,7 +248,8 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
   double* rdq = xmalloc(sizeof(double) * (size_t)(B * S * H * D));
   double* rdk = xmalloc(sizeof(double) * (size_t)(B * S * Hkv * D));
   double* rdv = xmalloc(sizeof(double) * (size_t)(B * S * Hkv * Dv));
-  reference(&p, q, k, v, backward ? dout : NULL, ro, rl, rdq, rdk, rdv);
+  double* rds = xmalloc(sizeof(double) * (size_t)H);
+  reference(&p, q, k, v, backward ? dout : NULL, ro, rl, rdq, rdk, rdv, rds);
 
   float* qs = shard_of(q, B, S, H * D, pos, n);
   float* ks = shard_of(k, B, S, Hkv * D, pos, n);
@@ -269,14 +276,21 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
     dattn_buffer dq = {xmalloc(sizeof(float) * (size_t)(B * n * H * D)), B * n * H * D};
     dattn_buffer dk = {xmalloc(sizeof(float) * (size_t)(B * n * Hkv * D)), B * n * Hkv * D};
     dattn_buffer dv = {xmalloc(sizeof(float) * (size_t)(B * n * Hkv * Dv)), B * n * Hkv * Dv};
+    dattn_buffer ds = {sinks ? xmalloc(sizeof(float) * (size_t)H) : NULL, sinks ? H : 0};
     CHECK_OK(dattn_attention_backward(rt, &tq, &tk, &tv, out.data, lse.data, &tdo, &spec, &layout,
-                                      strategy, dq, dk, dv));
+                                      strategy, dq, dk, dv, ds));
     const double eq = diff_bshd(dq.data, rdq, B, S, H * D, pos, n);
     const double ek = diff_bshd(dk.data, rdk, B, S, Hkv * D, pos, n);
     const double ev = diff_bshd(dv.data, rdv, B, S, Hkv * Dv, pos, n);
-    CHECK(eq < 5e-5 && ek < 5e-5 && ev < 5e-5,
-          "%s %s %s H=%lld/%lld, %lld boundaries: max |dq err| = %g, |dk err| = %g, |dv err| = %g",
-          what_s, what_l, what_m, (long long)H, (long long)Hkv, (long long)ncu, eq, ek, ev);
+    double es = 0; /* every rank holds the sum over all rows */
+    for (int64_t h = 0; sinks && h < H; ++h)
+      es = fmax(es, fabs(ds.data[h] - rds[h]));
+    CHECK(eq < 5e-5 && ek < 5e-5 && ev < 5e-5 && es < 5e-5,
+          "%s %s %s H=%lld/%lld, %lld boundaries%s: max |dq err| = %g, |dk err| = %g, |dv err| = "
+          "%g, |dsinks err| = %g",
+          what_s, what_l, what_m, (long long)H, (long long)Hkv, (long long)ncu,
+          sinks ? ", sinks" : "", eq, ek, ev, es);
+    free(ds.data);
     free(dq.data);
     free(dk.data);
     free(dv.data);
@@ -292,6 +306,7 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
   free(rdq);
   free(rdk);
   free(rdv);
+  free(rds);
   free(q);
   free(k);
   free(v);
@@ -302,7 +317,7 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
 static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
                      dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
                      int backward) {
-  run_case_docs(rt, lk, mk, strategy, H, Hkv, D, Dv, backward, kDocs, 5);
+  run_case_docs(rt, lk, mk, strategy, H, Hkv, D, Dv, backward, kDocs, 5, NULL);
 }
 
 /* ---------------------------------------------------------------- error paths */
@@ -319,7 +334,7 @@ static void* other_thread(void* arg) {
 static void run_error_paths(dattn_runtime* rt) {
   const int64_t B = 1, S = 16, H = 4, Hkv = 2, D = 8;
   dattn_layout layout = {DATTN_LAYOUT_CONTIGUOUS, S, 0, NULL, 0};
-  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0};
+  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL};
   int64_t n = 0;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
   float* q = xmalloc(sizeof(float) * (size_t)(B * n * H * D));
@@ -498,20 +513,39 @@ static void run_error_paths(dattn_runtime* rt) {
     fill(dout, B * n * H * D, 9);
     dattn_tensor tdo = {dout, DATTN_FP32, {B, n, H, D}};
     dattn_buffer dq = {g, B * n * H * D}, dk = {gk, B * n * Hkv * D}, dv = {gv, B * n * Hkv * D};
+    const dattn_buffer none = {NULL, 0};
     CHECK_FAILS(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, lse.data, NULL, &spec,
-                                         &layout, DATTN_STRATEGY_RING, dq, dk, dv),
+                                         &layout, DATTN_STRATEGY_RING, dq, dk, dv, none),
                 DATTN_ERROR_INVALID_ARGUMENT, "dout");
     if (lse.numel > 0)
       CHECK_FAILS(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, NULL, &tdo, &spec, &layout,
-                                           DATTN_STRATEGY_RING, dq, dk, dv),
+                                           DATTN_STRATEGY_RING, dq, dk, dv, none),
                   DATTN_ERROR_INVALID_ARGUMENT, "lse");
     dattn_buffer bad_dk = dk;
     bad_dk.numel += 1;
     CHECK_FAILS(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, lse.data, &tdo, &spec,
-                                         &layout, DATTN_STRATEGY_RING, dq, bad_dk, dv),
+                                         &layout, DATTN_STRATEGY_RING, dq, bad_dk, dv, none),
                 DATTN_ERROR_INVALID_ARGUMENT, "dk.numel");
+    /* dsinks without sinks; sinks without dsinks; sinks of a non-finite value. */
+    float ds_data[4];
+    const dattn_buffer ds = {ds_data, H};
+    CHECK_FAILS(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, lse.data, &tdo, &spec,
+                                         &layout, DATTN_STRATEGY_RING, dq, dk, dv, ds),
+                DATTN_ERROR_INVALID_ARGUMENT, "dsinks");
+    {
+      const float sinks[4] = {0.f, 1.f, 2.f, 3.f}, bad_sinks[4] = {0.f, 1.f, NAN, 3.f};
+      dattn_spec with = spec;
+      with.sinks = sinks;
+      CHECK_FAILS(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, lse.data, &tdo, &with,
+                                           &layout, DATTN_STRATEGY_RING, dq, dk, dv, none),
+                  DATTN_ERROR_INVALID_ARGUMENT, "dsinks.numel");
+      with.sinks = bad_sinks;
+      CHECK_FAILS(
+          dattn_attention_forward(rt, &tq, &tk, &tk, &with, &layout, DATTN_STRATEGY_RING, out, lse),
+          DATTN_ERROR_INVALID_ARGUMENT, "sinks[2]");
+    }
     CHECK_OK(dattn_attention_backward(rt, &tq, &tk, &tk, out.data, lse.data, &tdo, &spec, &layout,
-                                      DATTN_STRATEGY_RING, dq, dk, dv));
+                                      DATTN_STRATEGY_RING, dq, dk, dv, none));
     free(g);
     free(gk);
     free(gv);
@@ -582,9 +616,19 @@ int main(int argc, char** argv) {
    * kDocs, with the ring and with Ulysses. */
   for (int lk = 0; lk < 4; ++lk)
     run_case_docs(rt, (dattn_layout_kind)lk, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_RING, 4, 2, 16, 8,
-                  1, kEmptyDocs, 9);
+                  1, kEmptyDocs, 9, NULL);
   run_case_docs(rt, DATTN_LAYOUT_VARLEN, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_ULYSSES, 2 * g_size,
-                g_size, 16, 16, 1, kEmptyDocs, 9);
+                g_size, 16, 16, 1, kEmptyDocs, 9, NULL);
+  {
+    /* Attention sinks (one far above the scores), forward and backward, ring and Ulysses. */
+    const float sinks[8] = {0.5f, -1.f, 6.f, 1.5f, -2.f, 0.f, 3.f, 1.f};
+    for (int lk = 0; lk < 4; ++lk)
+      run_case_docs(rt, (dattn_layout_kind)lk, DATTN_MASK_CAUSAL, DATTN_STRATEGY_RING, 4, 2, 16, 8,
+                    1, kDocs, 5, sinks);
+    if (g_size <= 4)
+      run_case_docs(rt, DATTN_LAYOUT_ZIGZAG, DATTN_MASK_WINDOW, DATTN_STRATEGY_ULYSSES, 2 * g_size,
+                    g_size, 16, 16, 1, kDocs, 5, sinks);
+  }
   {
     /* A varlen layout on kEmptyDocs holds the tokens of one on kDocs, in the same places. */
     dattn_layout with = {DATTN_LAYOUT_VARLEN, 0, 0, kEmptyDocs, 9};
@@ -623,7 +667,7 @@ int main(int argc, char** argv) {
     CHECK_OK(dattn_runtime_create(MPI_COMM_WORLD, &o, &checked));
     const int64_t B = 1, S = 12, H = 2, D = 8;
     dattn_layout layout = {DATTN_LAYOUT_ZIGZAG, S, 0, NULL, 0};
-    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0};
+    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL};
     int64_t n = 0;
     CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
     float* q = xmalloc(sizeof(float) * (size_t)(B * (n + 1) * H * D));

@@ -150,6 +150,38 @@ TEST_F(AttentionErrors, HeadsQNotAMultipleOfHeadsKv) {
   EXPECT_TRUE(rejects([&] { run(c); }, {"heads_q", "multiple"}));
 }
 
+TEST_F(AttentionErrors, BadSinks) {
+  Call c(P, me);
+  {
+    AttnSpec s = c.spec;
+    s.sinks = make_sinks({0.5f, 1.f, 2.f});  // 4 query heads
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"sinks size", "3", "heads_q"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.sinks = make_sinks({0.5f, 1.f, NAN, 2.f});
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"sinks[2]", "finite"}));
+  }
+  {
+    AttnSpec s = c.spec;
+    s.sinks = make_sinks({0.5f, 1.f, -INFINITY, 2.f});
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"sinks[2]", "finite"}));
+  }
+  {
+    // Sinks that differ between ranks: every rank refuses the call.
+    AttnSpec s = c.spec;
+    s.sinks = make_sinks({0.5f, 1.f, me == P - 1 ? 3.f : 2.f, 2.f});
+    if (P > 1) {
+      EXPECT_THROW(run(c, s), Error);
+    }
+  }
+  {
+    AttnSpec s = c.spec;
+    s.sinks = make_sinks({0.5f, 1.f, 2.f, 3.f});
+    EXPECT_NO_THROW(run(c, s));
+  }
+}
+
 TEST_F(AttentionErrors, TensorHeadsNotTheSpecs) {
   Call c(P, me);
   c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);  // spec: 4

@@ -303,5 +303,28 @@ TEST(Movement, WeighAndUnweighMatchLoops) {
   }
 }
 
+TEST(Movement, AddSinksMatchesFloat64) {
+  // lse' = log(exp(lse) + exp(sink)), out *= exp(lse - lse'); empty rows (lse = -inf, out
+  // possibly NaN in Partials) get out = 0, lse' = sink. Sinks from far below to far above lse.
+  const int64_t B = 2, S = 3, H = 5, Dv = 7;
+  Partials p(B, S, H, Dv, 42);
+  const std::vector<float> sinks = {-200.f, -3.f, 0.5f, 40.f, 150.f};
+  std::vector<float> out = p.out_a, lse = p.lse_a;
+  mv::add_sinks(out.data(), lse.data(), sinks.data(), B, S, H, Dv);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t l = (b * H + h) * S + s, row = (b * S + s) * H + h;
+        const double la = p.lse_a[size_t(l)], sk = sinks[size_t(h)], m = std::max(la, sk);
+        const double want_lse = m + std::log(std::exp(la - m) + std::exp(sk - m));
+        EXPECT_NEAR(lse[size_t(l)], want_lse, 1e-5 * std::max(1.0, std::abs(want_lse))) << l;
+        for (int64_t d = 0; d < Dv; ++d) {
+          const size_t i = size_t(row * Dv + d);
+          const double want = la == -INFINITY ? 0.0 : p.out_a[i] * std::exp(la - want_lse);
+          EXPECT_NEAR(out[i], want, 1e-5 * std::max(1.0, std::abs(want))) << row << " " << d;
+        }
+      }
+}
+
 }  // namespace
 }  // namespace dattn

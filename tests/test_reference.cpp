@@ -57,6 +57,13 @@ Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t
 
 // ---------------------------------------------------------------- independent reference
 
+std::shared_ptr<const std::vector<float>> sinks_for(int64_t heads) {
+  std::vector<float> s(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h)
+    s[size_t(h)] = h % 4 == 3 ? 6.f : -2.f + 0.75f * float(h % 5);
+  return make_sinks(std::move(s));
+}
+
 std::vector<int64_t> positions(int64_t begin, int64_t n, int64_t stride) {
   std::vector<int64_t> p(size_t(std::max<int64_t>(n, 0)));
   for (int64_t i = 0; i < n; ++i)
@@ -93,8 +100,10 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
           s[size_t(j)] = dot * scale;
           m = std::max(m, s[size_t(j)]);
         }
+        const double sink = spec.sinks ? double((*spec.sinks)[size_t(h)]) : ninf;
+        m = std::max(m, sink);
         if (m == ninf) continue;
-        double sum = 0;
+        double sum = std::exp(sink - m);
         double* o = r.out.data() + ((b * Sq + i) * Hq + h) * Dv;
         for (int64_t j = 0; j < Sk; ++j) {
           if (s[size_t(j)] == ninf) continue;

@@ -40,6 +40,9 @@ Tensor random_tensor(std::initializer_list<int64_t> shape, DType dtype, uint64_t
 cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Tensor& v,
                                      const AttnSpec& spec, const std::vector<int64_t>& q_pos,
                                      const std::vector<int64_t>& k_pos);
+// Attention sinks for `heads` query heads (AttnSpec::sinks): values from -2 to 1, and 6 on every
+// fourth head, far above the scores of unit-variance inputs, so that the sink dominates its rows.
+std::shared_ptr<const std::vector<float>> sinks_for(int64_t heads);
 // Positions begin, begin + stride, ... (n of them).
 std::vector<int64_t> positions(int64_t begin, int64_t n, int64_t stride = 1);
 

@@ -37,10 +37,11 @@ using test::world_size;
 struct Problem {
   int64_t B, Hq, Hkv, D, Dv;
   DType dtype;
+  bool sinks = false;  // test::sinks_for(Hq), joined once to the merged result
 };
-// fp32 with D_v = D; bf16 with B = 2 and D_v != D.
+// fp32 with D_v = D; bf16 with B = 2, D_v != D and attention sinks.
 const Problem kF32{1, 4, 2, 32, 32, DType::f32};
-const Problem kBF16{2, 4, 2, 32, 48, DType::bf16};
+const Problem kBF16{2, 4, 2, 32, 48, DType::bf16, true};
 
 AttnSpec make_spec(const Problem& pb) {
   AttnSpec spec;
@@ -49,6 +50,7 @@ AttnSpec make_spec(const Problem& pb) {
   spec.head_dim = pb.D;
   spec.head_dim_v = pb.Dv;
   spec.mask = Mask::causal();
+  if (pb.sinks) spec.sinks = test::sinks_for(pb.Hq);
   return spec;
 }
 

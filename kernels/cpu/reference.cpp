@@ -46,8 +46,12 @@ ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tens
           s[j] = dot * scale;
           m = std::max(m, s[j]);
         }
+        // A sink: one more logit in the normaliser, with no value (a row of no key: lse = sink).
+        const double sink = spec.sinks ? double((*spec.sinks)[size_t(h)])
+                                       : -std::numeric_limits<double>::infinity();
+        m = std::max(m, sink);
         if (m == -std::numeric_limits<double>::infinity()) continue;  // no visible key
-        double sum = 0;
+        double sum = std::exp(sink - m);
         double* o = r.out.data() + ((b * Sq + i) * Hq + h) * Dv;
         for (int64_t j = 0; j < Sk; ++j) {
           if (s[j] == -std::numeric_limits<double>::infinity()) continue;
@@ -80,6 +84,7 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
   g.dq.assign(size_t(B * Sq * Hq * D), 0.0);
   g.dk.assign(size_t(B * Sk * Hkv * D), 0.0);
   g.dv.assign(size_t(B * Sk * Hkv * Dv), 0.0);
+  if (spec.sinks) g.dsinks.assign(size_t(Hq), 0.0);
   const std::vector<double> qd = as_doubles(q), kd = as_doubles(k), vd = as_doubles(v),
                             gd = as_doubles(dout);
   std::vector<double> p(static_cast<size_t>(Sk)), dp(static_cast<size_t>(Sk));
@@ -104,8 +109,10 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
           p[j] = dot * scale;
           m = std::max(m, p[j]);
         }
+        const double sink = spec.sinks ? double((*spec.sinks)[size_t(h)]) : ninf;
+        m = std::max(m, sink);
         if (m == ninf) continue;  // no visible key: out = 0 whatever q, k, v are
-        double sum = 0;
+        double sum = std::exp(sink - m);
         for (int64_t j = 0; j < Sk; ++j) {
           p[j] = p[j] == ninf ? 0.0 : std::exp(p[j] - m);
           sum += p[j];
@@ -120,6 +127,8 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
             dp[j] += gv(i, d) * vv(j, d);
           delta += p[j] * dp[j];
         }
+        // The sink's logit enters only the normaliser: d sink = -p_sink * delta.
+        if (spec.sinks) g.dsinks[size_t(h)] -= std::exp(sink - m) / sum * delta;
         double* dq = g.dq.data() + ((b * Sq + i) * Hq + h) * D;
         for (int64_t j = 0; j < Sk; ++j) {
           if (p[j] == 0.0) continue;

@@ -34,6 +34,10 @@ namespace dattn::movement {
 //   m the allreduced max of lse ([batch, heads, seq] like lse).
 // unweigh_partial: out = packed / w and lse = m + log(w) per row (out = 0, lse = -inf where the
 //   summed w is 0): the merge of all ranks' partials after the sum-allreduce.
+//
+// add_sinks: attention sinks joined to a merged partial, in place: per row, with s = sinks[h] (h
+//   the row's head; sinks [heads] fp32, on the same memory as out), lse' = log(exp(lse) + exp(s))
+//   and out *= exp(lse - lse') (a row that saw no key: out = 0, lse' = s).
 
 // Host memory, Thrust's OMP backend: OpenMP threads (OMP_NUM_THREADS); returns when done.
 namespace host {
@@ -50,6 +54,8 @@ void weigh_partial(float* packed, const float* out, const float* lse, const floa
                    int64_t seq, int64_t heads, int64_t dv);
 void unweigh_partial(float* out, float* lse, const float* packed, const float* m, int64_t batch,
                      int64_t seq, int64_t heads, int64_t dv);
+void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
+               int64_t heads, int64_t dv);
 }  // namespace host
 
 // Device memory, Thrust's CUDA backend, ordered on `stream` (a cudaStream_t; nullptr: the
@@ -70,6 +76,8 @@ void weigh_partial(float* packed, const float* out, const float* lse, const floa
                    int64_t seq, int64_t heads, int64_t dv, void* stream);
 void unweigh_partial(float* out, float* lse, const float* packed, const float* m, int64_t batch,
                      int64_t seq, int64_t heads, int64_t dv, void* stream);
+void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
+               int64_t heads, int64_t dv, void* stream);
 }  // namespace cuda
 
 }  // namespace dattn::movement

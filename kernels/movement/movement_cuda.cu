@@ -72,4 +72,9 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
   unweigh_partial_with(on(stream), out, lse, packed, m, batch, seq, heads, dv);
 }
 
+void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
+               int64_t heads, int64_t dv, void* stream) {
+  add_sinks_with(on(stream), out, lse, sinks, batch, seq, heads, dv);
+}
+
 }  // namespace dattn::movement::cuda

@@ -100,4 +100,11 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
   });
 }
 
+void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
+               int64_t heads, int64_t dv) {
+  on_host(size_t(batch * seq * heads * dv) * sizeof(float), [&](const auto& policy) {
+    add_sinks_with(policy, out, lse, sinks, batch, seq, heads, dv);
+  });
+}
+
 }  // namespace dattn::movement::host

@@ -220,6 +220,28 @@ struct UnweighRows {
   }
 };
 
+// A sink logit joined to each row: lse' = max + log(exp(lse - max) + exp(s - max)), the
+// merge rule of kernels/merge.h with a valueless partial (out 0, lse s); expf(-inf) = 0 covers a
+// row that saw no key.
+struct SinkRows {
+  float* out;
+  float* lse;
+  const float* sinks;
+  LseIndex lse_index;
+  int64_t dv;
+
+  DATTN_MOVEMENT_HD void operator()(int64_t row) const {
+    const int64_t l = lse_index(row);
+    const float la = lse[l], s = sinks[row % lse_index.heads];
+    const float m = fmaxf(la, s);
+    const float w_a = expf(la - m), sum = w_a + expf(s - m);
+    const float c = w_a / sum;
+    for (int64_t d = 0; d < dv; ++d)
+      out[row * dv + d] = la == -INFINITY ? 0.f : c * out[row * dv + d];
+    lse[l] = m + logf(sum);
+  }
+};
+
 // One functor over the batch * seq * heads rows of a partial.
 template <class Policy, class F>
 void for_each_row(const Policy& policy, int64_t batch, int64_t seq, int64_t heads, F f) {
@@ -268,4 +290,10 @@ void unweigh_partial_with(const Policy& policy, float* out, float* lse, const fl
                           const float* m, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {
   for_each_row(policy, batch, seq, heads,
                UnweighRows{out, lse, packed, m, LseIndex{seq, heads}, dv});
+}
+
+template <class Policy>
+void add_sinks_with(const Policy& policy, float* out, float* lse, const float* sinks, int64_t batch,
+                    int64_t seq, int64_t heads, int64_t dv) {
+  for_each_row(policy, batch, seq, heads, SinkRows{out, lse, sinks, LseIndex{seq, heads}, dv});
 }

@@ -133,6 +133,21 @@ def _mask(o, causal, window):
     return o
 
 
+def _sinks(o, sinks):
+    """Attention sinks into an options dict: sinks (a torch tensor, numpy array or sequence of
+    heads_q logits, one per query head) as the floats the extension takes; None: none. The
+    extension checks the count and that each is finite."""
+    if sinks is not None:
+        if _is_torch(sinks):
+            sinks = sinks.detach().to("cpu", torch.float32).numpy()
+        a = np.asarray(sinks, dtype=np.float64)
+        if a.ndim != 1:
+            raise InvalidArgumentError(
+                f"invalid sinks shape = {a.shape}: expected [heads_q] (one logit per query head)")
+        o["sinks"] = [float(x) for x in a]
+    return o
+
+
 def _scale(o, softmax_scale):
     if softmax_scale is not None:
         if not softmax_scale > 0:
@@ -156,10 +171,10 @@ def _layout(o, layout, stripe_block, cu_seqlens, block=None):
 
 
 def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",
-             ulysses_degree=None, stripe_block=1, runtime=None):
+             ulysses_degree=None, stripe_block=1, runtime=None, sinks=None):
     """The options dict the extension takes: the mask as window sizes and document boundaries.
     hybrid needs ulysses_degree on the default runtime; a dattn.Runtime brings its own."""
-    o = _scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale)
+    o = _sinks(_scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale), sinks)
     _layout(o, layout, stripe_block, cu_seqlens)
     if strategy == "hybrid":
         if ulysses_degree is None and runtime is None:
@@ -302,22 +317,25 @@ class _Call:
         return _tensor(out), _tensor(lse)
 
     def backward(self, q, k, v, out, lse, dout):
-        dq, dk, dv = self.backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
-                                      _as_array(out, "out"), _as_array(lse, "lse"),
-                                      _as_array(dout, "dout"), self.options, *self.extra)
-        return _tensor(dq), _tensor(dk), _tensor(dv)
+        """dq, dk, dv, and dsinks (float32 [heads_q]) with sinks, else None."""
+        grads = self.backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
+                                 _as_array(out, "out"), _as_array(lse, "lse"),
+                                 _as_array(dout, "dout"), self.options, *self.extra)
+        return tuple(_tensor(g) for g in grads) + (None,) * (4 - len(grads))
 
 
 if torch is not None:
     class _AttentionFunction(torch.autograd.Function):
-        """out, lse = attention(q, k, v); backward gives dq, dk, dv (in the inputs' dtypes).
+        """out, lse = attention(q, k, v) (with the call's sinks, whose values came from the
+        tensor `sinks`, or None); backward gives dq, dk, dv (in the inputs' dtypes) and d sinks.
         lse is not differentiable. Under MPI every rank must call backward, as the forward."""
 
         @staticmethod
-        def forward(ctx, q, k, v, call):
+        def forward(ctx, q, k, v, sinks, call):
             out, lse = call.forward(q, k, v)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.call = call
+            ctx.sinks_like = sinks
             ctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -326,17 +344,24 @@ if torch is not None:
             q, k, v, out, lse = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)
-            dq, dk, dv = ctx.call.backward(q, k, v, out, lse, dout)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+            dq, dk, dv, dsinks = ctx.call.backward(q, k, v, out, lse, dout)
+            s = ctx.sinks_like
+            if dsinks is not None and s is not None:
+                dsinks = dsinks.to(s.dtype).to(s.device)
+            else:
+                dsinks = None
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None
 
 
-def _run(call, q, k, v, return_lse):
+def _run(call, q, k, v, return_lse, sinks=None):
     if _is_torch(q) or _is_torch(k) or _is_torch(v):
         if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
             raise InvalidArgumentError(
                 "invalid q, k, v: expected all torch tensors or all numpy arrays")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _AttentionFunction.apply(q, k, v, call)
+        s = sinks if _is_torch(sinks) else None
+        needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+        if torch.is_grad_enabled() and (needs_grad or (s is not None and s.requires_grad)):
+            out, lse = _AttentionFunction.apply(q, k, v, s, call)
         else:
             out, lse = call.forward(q, k, v)
     else:
@@ -349,7 +374,7 @@ def _run(call, q, k, v, return_lse):
 
 def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", strategy="ring",
               window=None, cu_seqlens=None, return_lse=False, ulysses_degree=None,
-              stripe_block=1, runtime=None):
+              stripe_block=1, runtime=None, sinks=None):
     """Distributed attention of this rank's shards q [B, S_r, H, D], k and v [B, S_r, H_kv, D(v)]
     under `layout` ("contiguous", "zigzag", "striped" with `stripe_block`, "varlen" with
     `cu_seqlens`). The global sequence is the sum of the ranks' shard lengths. Collective over
@@ -361,24 +386,32 @@ def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", st
     `ulysses_degree` ranks, ring across them; with runtime=, the runtime's ulysses). Returns out
     [B, S_r, H, Dv] float32 and, with return_lse, lse [B, H, S_r] (natural log). Torch inputs
     that require grad get gradients through the distributed backward. A non-contiguous input is
-    copied."""
-    if runtime is None and _torch_ops.applies(q, k, v):
+    copied.
+
+    sinks: attention sinks (gpt-oss), one learned logit per query head ([H] torch tensor, numpy
+    array or list), each joining its rows' softmax as a key with no value; lse counts them (a
+    row that sees no key: out 0, lse the sink). A torch sinks tensor that requires grad gets its
+    gradient (summed over every rank's rows). Calls with sinks go through a
+    torch.autograd.Function, not the torch.library operator (torch.compile breaks the graph
+    there)."""
+    if runtime is None and sinks is None and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(False, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens, layout, strategy, ulysses_degree, stripe_block)
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime)
+                       ulysses_degree, stripe_block, runtime, sinks)
     call = _Call(_C.attention_forward, _C.attention_backward, options, _handle(runtime))
-    return _run(call, q, k, v, return_lse)
+    return _run(call, q, k, v, return_lse, sinks)
 
 
 def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
                        layout="contiguous", strategy="ring", window=None, cu_seqlens=None,
-                       ulysses_degree=None, stripe_block=1, runtime=None):
+                       ulysses_degree=None, stripe_block=1, runtime=None, sinks=None):
     """The distributed backward without autograd: dq, dk, dv (float32, the shapes of q, k, v) for
     the attention call with these arguments that returned out and lse, and dout, the gradient of
-    out. Collective, like attention()."""
+    out; with sinks, dsinks [H] float32 after them (summed over every rank's rows). Collective,
+    like attention()."""
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime)
+                       ulysses_degree, stripe_block, runtime, sinks)
     like_torch = _is_torch(q)
     res = _C.attention_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
@@ -387,21 +420,23 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
 
 
 def attention_local(q, k, v, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
-                    return_lse=False):
+                    return_lse=False, sinks=None):
     """Attention of this process alone over whole tensors (no communication, the same kernels):
-    the single-process counterpart of attention(), with autograd for torch tensors."""
-    if _torch_ops.applies(q, k, v):
+    the single-process counterpart of attention(), with autograd for torch tensors (and sinks,
+    as attention's)."""
+    if sinks is None and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(True, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens)
-    options = _options(causal, softmax_scale, window, cu_seqlens)
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks)
     call = _Call(_C.attention_local_forward, _C.attention_local_backward, options)
-    return _run(call, q, k, v, return_lse)
+    return _run(call, q, k, v, return_lse, sinks)
 
 
 def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
-                             window=None, cu_seqlens=None):
-    """The backward of attention_local without autograd: dq, dk, dv (float32)."""
-    options = _options(causal, softmax_scale, window, cu_seqlens)
+                             window=None, cu_seqlens=None, sinks=None):
+    """The backward of attention_local without autograd: dq, dk, dv (float32), and dsinks with
+    sinks."""
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks)
     like_torch = _is_torch(q)
     res = _C.attention_local_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),
@@ -444,7 +479,8 @@ class KvCache:
     new tokens, which `placement` spreads over the ranks: "round_robin" (token t of the appended
     ones on rank t % P) or "last_rank" (all on the last, as star_decode needs). positions()
     says which global positions this rank's rows hold. The mask (causal by default, window=,
-    softmax_scale) is the decode's: a query at position p sees the tokens the mask lets it.
+    softmax_scale) is the decode's: a query at position p sees the tokens the mask lets it;
+    sinks (heads_q logits, as attention's) join each decode step's merged result once.
 
     Collective, like prefill() and append(): every rank of the cp group makes the same calls
     (a bad argument raises on every rank). Attributes: length (tokens in the whole context),
@@ -453,8 +489,8 @@ class KvCache:
 
     def __init__(self, heads_q, heads_kv, head_dim, batch, dtype, capacity,
                  placement="round_robin", head_dim_v=None, causal=True, window=None,
-                 softmax_scale=None, runtime=None):
-        options = _scale(_mask({}, causal, window), softmax_scale)
+                 softmax_scale=None, runtime=None, sinks=None):
+        options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks)
         self._c = _C.KvCache(heads_q, heads_kv, head_dim, head_dim_v, batch, _dtype_code(dtype),
                              capacity, str(placement), options, _handle(runtime))
         self.runtime = runtime if runtime is not None else default_runtime()
@@ -518,7 +554,7 @@ def decode(q, cache, strategy="tree", return_lse=False, runtime=None):
 # ---------------------------------------------------------------- star attention
 
 def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, window=None,
-                 return_lse=False, runtime=None):
+                 return_lse=False, runtime=None, sinks=None):
     """Star attention's phase 1 (dattn::star_prefill): the context cut into blocks of `block`
     tokens, each attending to itself (causally by default) behind the anchor, the context's
     first `anchor` tokens (None: `block`; 0: no anchor); block 0 attends to itself alone. q, k,
@@ -528,8 +564,8 @@ def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, w
     middle of the context before it); exact causal attention when one block holds the whole
     context. Collective: one broadcast of the anchor's K/V. Returns this rank's out
     [B, S_r, H, Dv] float32 (and lse [B, H, S_r] with return_lse). Inputs must be
-    C-contiguous."""
-    options = _scale(_mask({}, causal, window), softmax_scale)
+    C-contiguous. sinks: as attention's (no gradient here)."""
+    options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks)
     res = _C.star_prefill(_view(q, "q"), _view(k, "k"), _view(v, "v"), options, block, anchor,
                           _handle(runtime))
     return _out(res, _is_torch(q), return_lse)

@@ -2,6 +2,7 @@
 #include "src/base/spec.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "src/base/error.h"
 
@@ -18,6 +19,28 @@ void AttnSpec::validate() const {
   DATTN_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale >= 0.f, "softmax_scale",
                   softmax_scale, "0 (meaning 1/sqrt(head_dim)) or a finite positive value");
   mask.validate();
+  if (sinks) {
+    DATTN_CHECK_ARG(int64_t(sinks->size()) == heads_q, "sinks size", sinks->size(),
+                    detail::cat(heads_q, " (one per query head, heads_q)"));
+    for (size_t h = 0; h < sinks->size(); ++h)
+      DATTN_CHECK_ARG(std::isfinite((*sinks)[h]), detail::cat("sinks[", h, "]"), (*sinks)[h],
+                      "a finite value");
+  }
+}
+
+uint64_t AttnSpec::sinks_hash(uint64_t h) const {
+  if (!sinks) return h;
+  auto mix = [&h](uint64_t x) {
+    h ^= x;
+    h *= 1099511628211ull;
+  };
+  mix(sinks->size() + 1);
+  for (float x : *sinks) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    mix(bits);
+  }
+  return h;
 }
 
 Mask Mask::document(std::vector<int64_t> cu_seqlens, bool causal) {
@@ -78,7 +101,8 @@ void Mask::validate() const {
 
 std::string AttnSpec::str() const {
   return detail::cat("heads_q=", heads_q, " heads_kv=", heads_kv, " head_dim=", head_dim,
-                     " head_dim_v=", dim_v(), " scale=", scale(), " mask=", mask.str());
+                     " head_dim_v=", dim_v(), " scale=", scale(), " mask=", mask.str(),
+                     sinks ? " sinks" : "");
 }
 
 }  // namespace dattn

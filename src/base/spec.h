@@ -85,6 +85,13 @@ struct AttnSpec {
   int64_t head_dim_v = 0;     // of V and out; 0 means head_dim
   float softmax_scale = 0.f;  // 0 means 1/sqrt(head_dim)
   Mask mask = Mask::none();
+  // Attention sinks (gpt-oss): one learned logit per query head, heads_q finite values, that joins
+  // every row's softmax as an extra key with no value: a row's normaliser gains exp(sink), so
+  // lse = log(sum_j exp(s_j) + exp(sink)) and out = sum_j exp(s_j - lse) v_j (a row that sees no
+  // key: out = 0, lse = sink). Null: none. The entry points apply them once, to the merged
+  // result (src/dispatch.h, add_sinks), never inside a kernel or a schedule's partials; shared,
+  // like documents.
+  std::shared_ptr<const std::vector<float>> sinks = nullptr;
 
   int64_t dim_v() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   float scale() const {
@@ -93,6 +100,20 @@ struct AttnSpec {
   // Throws dattn::Error naming the first bad field.
   void validate() const;
   std::string str() const;
+  // The spec without its sinks: what the schedules and kernels get (they compute plain partials).
+  AttnSpec without_sinks() const {
+    AttnSpec s = *this;
+    s.sinks.reset();
+    return s;
+  }
+  // The sinks' values mixed into a hash (seed unchanged without sinks), so that ranks agree on
+  // them.
+  uint64_t sinks_hash(uint64_t seed) const;
 };
+
+// sinks as a spec's shared values.
+inline std::shared_ptr<const std::vector<float>> make_sinks(std::vector<float> sinks) {
+  return std::make_shared<const std::vector<float>>(std::move(sinks));
+}
 
 }  // namespace dattn

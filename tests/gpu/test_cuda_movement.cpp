@@ -122,7 +122,7 @@ TEST(CudaMovement, GatherScatterPackUnpackMatchHost) {
 
 // ---------------------------------------------------------------- partials
 
-TEST(CudaMovement, MergeClearWeighMatchHost) {
+TEST(CudaMovement, MergeClearWeighSinksMatchHost) {
   const int64_t B = 2, S = 67, H = 5, Dv = 72;
   const size_t n_out = size_t(B * S * H * Dv), n_lse = size_t(B * H * S);
   std::mt19937 gen(5);
@@ -178,6 +178,15 @@ TEST(CudaMovement, MergeClearWeighMatchHost) {
                                   nullptr);
   expect_close(d_uo.host(), uo, "unweigh out");
   expect_close(d_ul.host(), ul, "unweigh lse");
+
+  // add_sinks, sinks from far below to far above lse
+  const std::vector<float> sinks = {-200.f, -3.f, 0.5f, 40.f, 150.f};
+  std::vector<float> so = out_a, sl = lse_a;
+  movement::host::add_sinks(so.data(), sl.data(), sinks.data(), B, S, H, Dv);
+  DeviceVector<float> d_so(out_a), d_sl(lse_a), d_s(sinks);
+  movement::cuda::add_sinks(d_so.get(), d_sl.get(), d_s.get(), B, S, H, Dv, nullptr);
+  expect_close(d_so.host(), so, "add_sinks out");
+  expect_close(d_sl.host(), sl, "add_sinks lse");
 
   // clear_partial
   movement::cuda::clear_partial(d_oa.get(), int64_t(n_out), d_la.get(), int64_t(n_lse), nullptr);

@@ -54,13 +54,18 @@ def visible(S, mask, cu):
     return vis
 
 
-def reference(q, k, v, vis, scale):
-    """out [B,S,H,Dv] and lse [B,H,S] of float64 tensors, differentiable by torch autograd."""
+def reference(q, k, v, vis, scale, sinks=None):
+    """out [B,S,H,Dv] and lse [B,H,S] of float64 tensors, differentiable by torch autograd. sinks
+    [H]: one more logit per row, with no value (it joins the normaliser only)."""
     g = q.shape[2] // k.shape[2]
     kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
     s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is None:
+        lse = torch.logsumexp(s, dim=-1)
+    else:
+        col = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vx)
     return out, lse
 
@@ -134,6 +139,75 @@ def run_config(idx, strategy, layout, mask, B, S, H, Hkv, D, stripe_block=1, uly
         for got, want, what in zip(again, (qs.grad, ks.grad, vs.grad), ("dq", "dk", "dv")):
             assert torch.equal(got, want), f"rank {RANK}: {name}: a repeated backward changed {what}"
     return name, errs
+
+
+def check_sinks():
+    """Attention sinks (sinks=, a torch tensor that requires grad): out, lse, dq, dk, dv and
+    d sinks against float64 autograd for each strategy on zigzag (causal and a window narrower
+    than some rows' history), attention_local, the numpy backward's fourth result, a decode step
+    from a KvCache with sinks, and a sinks tensor of the wrong length, rejected on every rank."""
+    B, S, H, Hkv, D = 2, 23, 2 * P, P, 16
+    q, k, v, dout = make_inputs(77, B, S, H, Hkv, D)
+    sinks = torch.tensor([0.5, -1.0, 6.0, 1.5, -2.0, 0.0, 3.0, 1.0][:H], dtype=torch.float64)
+    scale = 1.0 / D ** 0.5
+    pos = torch.from_numpy(dattn.layout_positions("zigzag", S))
+    for strategy in ("ring", "ulysses", "hybrid"):
+        for mask in ("causal", "window"):
+            q64, k64, v64, s64 = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+            out_ref, lse_ref = reference(q64, k64, v64, visible(S, mask, None), scale, s64)
+            (out_ref * dout).sum().backward()
+            qs, ks, vs = (t[:, pos].float().contiguous().requires_grad_() for t in (q, k, v))
+            ss = sinks.float().requires_grad_()
+            kw = dict(BANDS[mask], layout="zigzag", strategy=strategy,
+                      ulysses_degree=1 if strategy == "hybrid" else None)
+            out, lse = dattn.attention(qs, ks, vs, return_lse=True, sinks=ss, **kw)
+            (out.double() * dout[:, pos]).sum().backward()
+            errs = {"out": rel_err(out, out_ref.detach()[:, pos]),
+                    "lse": rel_err(lse, lse_ref.detach()[:, :, pos]),
+                    "dq": rel_err(qs.grad, q64.grad[:, pos]),
+                    "dk": rel_err(ks.grad, k64.grad[:, pos]),
+                    "dv": rel_err(vs.grad, v64.grad[:, pos]),
+                    "dsinks": rel_err(ss.grad, s64.grad)}
+            bad = {key: e for key, e in errs.items() if not e <= TOL_FP32}
+            assert not bad, f"rank {RANK}: sinks {strategy} {mask}: errors above {TOL_FP32}: {bad}"
+            # The numpy backward: dsinks as a fourth result, the same as autograd's.
+            grads = dattn.attention_backward(qs.detach().numpy(), ks.detach().numpy(),
+                                             vs.detach().numpy(), out.detach().numpy(),
+                                             lse.numpy(), dout[:, pos].float().numpy(),
+                                             sinks=sinks.numpy(), **kw)
+            assert len(grads) == 4 and np.array_equal(grads[3], ss.grad.numpy()), \
+                f"rank {RANK}: sinks {strategy} {mask}: numpy dsinks {grads[-1]} vs {ss.grad}"
+    # attention_local: one process, the whole sequence.
+    q64, k64, v64, s64 = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    out_ref, _ = reference(q64, k64, v64, visible(S, "causal", None), scale, s64)
+    (out_ref * dout).sum().backward()
+    ql, kl, vl = (t.float().requires_grad_() for t in (q, k, v))
+    sl = sinks.float().requires_grad_()
+    out = dattn.attention_local(ql, kl, vl, causal=True, sinks=sl)
+    (out.double() * dout).sum().backward()
+    for got, ref, what in ((out, out_ref, "out"), (ql.grad, q64.grad, "dq"),
+                           (sl.grad, s64.grad, "dsinks")):
+        assert rel_err(got, ref) <= TOL_FP32, f"rank {RANK}: local sinks {what}: {rel_err(got, ref)}"
+    # A decode step: the cache's sinks join the merged result of every strategy.
+    cache = dattn.KvCache(H, Hkv, D, B, "fp32", S, sinks=sinks.numpy())
+    kz = torch.from_numpy(dattn.layout_positions("contiguous", S))
+    cache.prefill(k[:, kz].float().contiguous(), v[:, kz].float().contiguous())
+    qd = q[:, S - 1:].float().contiguous()
+    vis = visible(S, "causal", None)[S - 1:]
+    out_ref, lse_ref = reference(q[:, S - 1:], k, v, vis, scale, sinks)
+    for strategy in ("tree", "ring", "allgather"):
+        out, lse = dattn.decode(qd, cache, strategy=strategy, return_lse=True)
+        assert rel_err(out, out_ref) <= TOL_FP32 and rel_err(lse, lse_ref) <= TOL_FP32, \
+            f"rank {RANK}: decode {strategy} with sinks: {rel_err(out, out_ref)}, {rel_err(lse, lse_ref)}"
+    # The wrong number of sinks: InvalidArgumentError naming them, on every rank.
+    try:
+        dattn.attention(qs.detach(), ks.detach(), vs.detach(), causal=True, layout="zigzag",
+                        sinks=[1.0] * (H + 1))
+        raise AssertionError(f"rank {RANK}: {H + 1} sinks for {H} heads were accepted")
+    except dattn.InvalidArgumentError as e:
+        assert "sinks" in str(e), f"rank {RANK}: {e}"
+    if RANK == 0:
+        print(f"test_gradients: sinks (ring, ulysses, hybrid, local, decode) within {TOL_FP32}")
 
 
 def configurations():
@@ -292,6 +366,7 @@ def main():
             print(f"  {key:3s} {e:.2e}  ({name})")
     check_bf16()
     check_api()
+    check_sinks()
     if RANK == 0:
         print(f"test_gradients: all passed on {P} ranks in {time.time() - t0:.1f} s")
 

@@ -36,7 +36,8 @@ struct DecodeReference {
 // The heads and dims of a reference: H query heads over G key/value heads.
 struct RefShape {
   int64_t batch, heads, kv_heads, head_dim, dim_v;
-  double scale;  // AttnSpec::scale()
+  double scale;        // AttnSpec::scale()
+  double softcap = 0;  // AttnSpec::softcap: > 0, scores become softcap * tanh(s / softcap)
 };
 
 constexpr int64_t kRefChunk = 256;  // keys per chunk
@@ -91,6 +92,7 @@ std::vector<double> softmax_states(const RefShape& s, const std::vector<int64_t>
           for (int64_t d = 0; d < D; ++d)
             dot += q[d] * kr[d];
           sc[c] = dot * s.scale;
+          if (s.softcap > 0) sc[c] = s.softcap * std::tanh(sc[c] / s.softcap);
           chunk_max = std::max(chunk_max, sc[c]);
         }
         if (chunk_max == -INFINITY) continue;  // no visible key in this chunk

@@ -52,7 +52,10 @@ class Prefill final : public Workload {
        "attention_backward_send_bytes); --check checks the forward")
       ("sinks", po::value(&sinks_)->default_value(sinks_),
        "1: attention sinks, one logit per query head (gpt-oss), joined to each result "
-       "(--compare sinks=0,1 prints their cost)");
+       "(--compare sinks=0,1 prints their cost)")
+      ("softcap", po::value(&softcap_)->default_value(softcap_),
+       "logit softcap (Gemma 2: 50): scores become softcap * tanh(s / softcap); 0: off "
+       "(--compare softcap=0,50 prints its cost)");
     // clang-format on
     shape_.add_options(desc);
     problem_.add_options(desc);
@@ -61,6 +64,8 @@ class Prefill final : public Workload {
   void resolve(const po::variables_map& vm, const EngineOptions& e) override {
     e_ = e;
     require_option(sinks_ == 0 || sinks_ == 1, "--sinks", sinks_, "0 or 1");
+    require_option(std::isfinite(softcap_) && softcap_ >= 0, "--softcap", softcap_,
+                   "0 (off) or a finite positive cap");
     const int P = e.launch.cp, T = e.launch.tp;
     if (!vm.count("seq-end")) seq_end_ = seq_begin_;
     shape_.resolve(T);
@@ -128,6 +133,7 @@ class Prefill final : public Workload {
     shape_.json(cfg);
     cfg["pass"] = backward_ ? "backward" : "forward";
     cfg["sinks"] = sinks_;
+    cfg["softcap"] = softcap_;
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench& b) const override {
@@ -289,6 +295,7 @@ class Prefill final : public Workload {
   // With --sinks 1, sinks of -1 to 2 in the spec (the same on every tp rank).
   Problem problem(int64_t S, int P) const {
     Problem p = problem_.make(heads(), S, P);
+    p.spec.softcap = float(softcap_);
     if (sinks_) {
       std::vector<float> s(static_cast<size_t>(p.spec.heads_q));
       for (size_t h = 0; h < s.size(); ++h)
@@ -341,7 +348,9 @@ class Prefill final : public Workload {
     const int64_t key_begin = spec.mask.left >= 0 ? std::max<int64_t>(0, lo - spec.mask.left) : 0;
     const int64_t key_end =  // hi + right + 1 could overflow for a huge right window
         spec.mask.right >= 0 ? hi + 1 + std::min(spec.mask.right, S - 1 - hi) : S;
-    const RefShape shape{shape_.batch, H, spec.heads_kv, spec.head_dim, Dv, double(spec.scale())};
+    const RefShape shape{shape_.batch,        H,  spec.heads_kv,
+                         spec.head_dim,       Dv, double(spec.scale()),
+                         double(spec.softcap)};
     const auto row = [&](uint64_t id, int64_t b, int64_t ps, int64_t h, int64_t dim, float* out) {
       HashedRows(shape_.dtype)(id, b, ps, tp_rank * (id == kQ ? H : spec.heads_kv) + h, dim, out);
     };
@@ -371,6 +380,7 @@ class Prefill final : public Workload {
   int64_t seq_begin_ = 4096, seq_end_ = 0, seq_factor_ = 2;
   std::string strategy_name_ = "ring";
   int sinks_ = 0;
+  double softcap_ = 0;
   ProblemOptions problem_;
   Strategy strategy_ = Strategy::ring;
   int ulysses_ = 1;

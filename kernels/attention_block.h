@@ -28,6 +28,7 @@ struct BlockOfWork {
   int64_t q_begin = 0, q_len = -1, q_pos0 = 0, q_pos_stride = 1, q_pos_block = 1;
   int64_t k_begin = 0, k_len = -1, k_pos0 = 0, k_pos_stride = 1, k_pos_block = 1;
   float scale = 1.f;
+  float softcap = 0.f;  // > 0: scores become softcap * tanh(score / softcap) (AttnSpec::softcap)
 
   // The block's row counts (q_len/k_len resolved) and the global position of its query row i and
   // key row j.

@@ -396,6 +396,7 @@ struct Options {
   int64_t stripe_block = 1;                 // striped
   int64_t block = 0;                        // blocks: tokens per block
   std::optional<std::vector<float>> sinks;  // attention sinks, one per query head
+  double softcap = 0;                       // logit softcap; 0: off
 };
 
 Options options_from(const py::dict& d) {
@@ -424,6 +425,8 @@ Options options_from(const py::dict& d) {
       o.block = value.cast<int64_t>();
     else if (k == "sinks")
       o.sinks = value.cast<std::vector<float>>();
+    else if (k == "softcap")
+      o.softcap = value.cast<double>();
     else
       DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: unknown option '", k, "'");
   }
@@ -454,6 +457,7 @@ dattn::AttnSpec make_spec(const Options& o, int64_t heads_q, int64_t heads_kv, i
   spec.softmax_scale = float(o.softmax_scale);
   spec.mask = make_mask(o);
   if (o.sinks) spec.sinks = dattn::make_sinks(*o.sinks);
+  spec.softcap = float(o.softcap);
   spec.validate();
   return spec;
 }

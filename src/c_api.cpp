@@ -134,7 +134,8 @@ dattn::AttnSpec make_spec(const dattn_spec* s) {
                        .heads_kv = s->heads_kv,
                        .head_dim = s->head_dim,
                        .head_dim_v = s->head_dim_v,
-                       .softmax_scale = s->softmax_scale};
+                       .softmax_scale = s->softmax_scale,
+                       .softcap = s->softcap};
   switch (c_enum(s->mask)) {
     case DATTN_MASK_NONE:
       spec.mask = dattn::Mask::none();

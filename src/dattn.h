@@ -140,6 +140,8 @@ typedef struct dattn_spec {
   const float* sinks; /* attention sinks: heads_q finite logits, one per query head, each joining
                          its rows' softmax as a key with no value (lse counts it; a row of no key:
                          out 0, lse the sink); NULL: none */
+  float softcap;      /* logit softcap: > 0, scores become softcap * tanh(s / softcap) before the
+                         mask and softmax (Gemma 2); 0: off */
 } dattn_spec;
 
 /* ---------------------------------------------------------------- attention */

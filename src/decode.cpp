@@ -166,7 +166,9 @@ uint64_t KvCache::hash() const {
   uint32_t scale_bits;
   const float scale = spec_.scale();
   std::memcpy(&scale_bits, &scale, 4);
-  uint64_t h = kHashSeed;
+  uint32_t cap_bits;
+  std::memcpy(&cap_bits, &spec_.softcap, 4);
+  uint64_t h = hash_mix(kHashSeed, cap_bits);
   for (uint64_t x : {uint64_t(ranks_), uint64_t(spec_.heads_q), uint64_t(spec_.heads_kv),
                      uint64_t(spec_.head_dim), uint64_t(spec_.dim_v()), uint64_t(scale_bits),
                      spec_.mask.hash(), uint64_t(batch_), uint64_t(dtype_), uint64_t(placement_),

@@ -266,6 +266,7 @@ Block make_block(const Tensor& q, const void* k, const void* v, int64_t k_rows,
   blk.head_dim = spec.head_dim;
   blk.head_dim_v = spec.dim_v();
   blk.scale = spec.scale();
+  blk.softcap = spec.softcap;
   if constexpr (std::is_same_v<Block, cpu::AttentionBlock>) blk.mask = spec.mask;
   return blk;
 }

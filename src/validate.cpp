@@ -111,7 +111,9 @@ uint64_t attention_config_hash(const AttnSpec& spec, const Layout& layout, Strat
   uint32_t scale_bits;
   float scale = spec.scale();
   std::memcpy(&scale_bits, &scale, 4);
-  uint64_t h = kHashSeed;
+  uint32_t cap_bits;
+  std::memcpy(&cap_bits, &spec.softcap, 4);
+  uint64_t h = hash_mix(kHashSeed, cap_bits);
   for (uint64_t x : {uint64_t(spec.heads_q), uint64_t(spec.heads_kv), uint64_t(spec.head_dim),
                      uint64_t(spec.dim_v()), uint64_t(scale_bits), spec.mask.hash(), layout.hash(),
                      uint64_t(strategy), uint64_t(dtype), uint64_t(batch)})

@@ -69,16 +69,18 @@ const char* mask_name(MaskKind m) {
 // S = 48 in fp32 (divides by 1..4 and the zigzag chunks), S = 61 in bf16 with B = 2 and
 // D_v != D (divides by nothing); GQA 4:1 and 2:1; S = 29 with one kv head (MQA): every Ulysses
 // degree past H_kv, the members' dk and dv of their shared head summed. S = 61 and 29 have
-// attention sinks: d sinks too, summed over every rank's rows.
+// attention sinks: d sinks too, summed over every rank's rows. S = 48 has a logit softcap alone,
+// S = 61 with the sinks.
 struct Problem {
   int64_t S, B, Hq, Hkv, D, Dv;
   DType dtype;
   std::vector<int64_t> cu_seqlens;
   bool sinks = false;
+  float softcap = 0.f;
 };
 const Problem kProblems[] = {
-    {48, 1, 16, 4, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}},
-    {61, 2, 8, 4, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}, true},
+    {48, 1, 16, 4, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}, false, 1.5f},
+    {61, 2, 8, 4, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}, true, 3.f},
     {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}, true},
 };
 
@@ -142,6 +144,7 @@ AttnSpec make_spec(const Problem& pb, const Mask& mask) {
   spec.head_dim_v = pb.Dv;
   spec.mask = mask;
   if (pb.sinks) spec.sinks = test::sinks_for(pb.Hq);
+  spec.softcap = pb.softcap;
   return spec;
 }
 

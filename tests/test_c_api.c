@@ -74,6 +74,7 @@ typedef struct problem {
   const int64_t* cu;
   int64_t ncu;
   const float* sinks; /* H logits, or NULL */
+  double softcap;     /* > 0: scores become softcap * tanh(s / softcap) */
 } problem;
 
 static int64_t doc_of(const problem* p, int64_t pos) {
@@ -125,6 +126,7 @@ static void reference(const problem* p, const float* q, const float* k, const fl
           for (int64_t d = 0; d < D; ++d)
             s += (double)qi[d] * kj[d];
           prob[j] = s * p->scale;
+          if (p->softcap > 0) prob[j] = p->softcap * tanh(prob[j] / p->softcap);
           if (prob[j] > m) m = prob[j];
         }
         const double sink = p->sinks ? (double)p->sinks[h] : -INFINITY;
@@ -158,7 +160,14 @@ static void reference(const problem* p, const float* q, const float* k, const fl
           double dp = 0;
           for (int64_t e = 0; e < Dv; ++e)
             dp += (double)doi[e] * vj[e];
-          const double ds = prob[j] * (dp - delta) * p->scale;
+          double ds = prob[j] * (dp - delta) * p->scale;
+          if (p->softcap > 0) { /* through softcap * tanh(s / softcap): 1 - tanh^2 */
+            double s = 0;
+            for (int64_t d = 0; d < D; ++d)
+              s += (double)qi[d] * kj[d];
+            const double t = tanh(s * p->scale / p->softcap);
+            ds *= 1 - t * t;
+          }
           for (int64_t d = 0; d < D; ++d) {
             dq[((b * S + i) * H + h) * D + d] += ds * kj[d];
             dk[((b * S + j) * Hkv + g) * D + d] += ds * qi[d];
@@ -223,12 +232,14 @@ static const int64_t kEmptyDocs[] = {0, 0, 7, 20, 20, 20, 21, 37, 37};
  * reference kDocs. */
 static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
                           dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
-                          int backward, const int64_t* cu, int64_t ncu, const float* sinks) {
+                          int backward, const int64_t* cu, int64_t ncu, const float* sinks,
+                          float softcap) {
   const int64_t B = 2, S = 37;
-  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5, sinks};
+  problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5, sinks, softcap};
 
   dattn_layout layout = {lk, S, 2, cu, ncu};
-  dattn_spec spec = {H, Hkv, D, Dv, 0.0f, mk, p.left, p.right, p.doc_causal, cu, ncu, sinks};
+  dattn_spec spec = {H,       Hkv,          D,  Dv,  0.0f,  mk,     p.left,
+                     p.right, p.doc_causal, cu, ncu, sinks, softcap};
 
   int64_t n = -1;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
@@ -317,7 +328,7 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
 static void run_case(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_kind mk,
                      dattn_strategy strategy, int64_t H, int64_t Hkv, int64_t D, int64_t Dv,
                      int backward) {
-  run_case_docs(rt, lk, mk, strategy, H, Hkv, D, Dv, backward, kDocs, 5, NULL);
+  run_case_docs(rt, lk, mk, strategy, H, Hkv, D, Dv, backward, kDocs, 5, NULL, 0.0f);
 }
 
 /* ---------------------------------------------------------------- error paths */
@@ -334,7 +345,7 @@ static void* other_thread(void* arg) {
 static void run_error_paths(dattn_runtime* rt) {
   const int64_t B = 1, S = 16, H = 4, Hkv = 2, D = 8;
   dattn_layout layout = {DATTN_LAYOUT_CONTIGUOUS, S, 0, NULL, 0};
-  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL};
+  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f};
   int64_t n = 0;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
   float* q = xmalloc(sizeof(float) * (size_t)(B * n * H * D));
@@ -616,18 +627,19 @@ int main(int argc, char** argv) {
    * kDocs, with the ring and with Ulysses. */
   for (int lk = 0; lk < 4; ++lk)
     run_case_docs(rt, (dattn_layout_kind)lk, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_RING, 4, 2, 16, 8,
-                  1, kEmptyDocs, 9, NULL);
+                  1, kEmptyDocs, 9, NULL, 0.0f);
   run_case_docs(rt, DATTN_LAYOUT_VARLEN, DATTN_MASK_DOCUMENT, DATTN_STRATEGY_ULYSSES, 2 * g_size,
-                g_size, 16, 16, 1, kEmptyDocs, 9, NULL);
+                g_size, 16, 16, 1, kEmptyDocs, 9, NULL, 0.0f);
   {
-    /* Attention sinks (one far above the scores), forward and backward, ring and Ulysses. */
+    /* Attention sinks (one far above the scores) and a logit softcap, apart and together,
+     * forward and backward, ring and Ulysses. */
     const float sinks[8] = {0.5f, -1.f, 6.f, 1.5f, -2.f, 0.f, 3.f, 1.f};
     for (int lk = 0; lk < 4; ++lk)
       run_case_docs(rt, (dattn_layout_kind)lk, DATTN_MASK_CAUSAL, DATTN_STRATEGY_RING, 4, 2, 16, 8,
-                    1, kDocs, 5, sinks);
+                    1, kDocs, 5, lk == 3 ? NULL : sinks, lk == 0 ? 0.0f : 1.5f);
     if (g_size <= 4)
       run_case_docs(rt, DATTN_LAYOUT_ZIGZAG, DATTN_MASK_WINDOW, DATTN_STRATEGY_ULYSSES, 2 * g_size,
-                    g_size, 16, 16, 1, kDocs, 5, sinks);
+                    g_size, 16, 16, 1, kDocs, 5, sinks, 2.0f);
   }
   {
     /* A varlen layout on kEmptyDocs holds the tokens of one on kDocs, in the same places. */
@@ -667,7 +679,7 @@ int main(int argc, char** argv) {
     CHECK_OK(dattn_runtime_create(MPI_COMM_WORLD, &o, &checked));
     const int64_t B = 1, S = 12, H = 2, D = 8;
     dattn_layout layout = {DATTN_LAYOUT_ZIGZAG, S, 0, NULL, 0};
-    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL};
+    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f};
     int64_t n = 0;
     CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
     float* q = xmalloc(sizeof(float) * (size_t)(B * (n + 1) * H * D));

@@ -150,8 +150,21 @@ TEST_F(AttentionErrors, HeadsQNotAMultipleOfHeadsKv) {
   EXPECT_TRUE(rejects([&] { run(c); }, {"heads_q", "multiple"}));
 }
 
-TEST_F(AttentionErrors, BadSinks) {
+TEST_F(AttentionErrors, BadSinksAndSoftcap) {
   Call c(P, me);
+  for (float cap : {-1.f, NAN, INFINITY}) {
+    AttnSpec s = c.spec;
+    s.softcap = cap;
+    EXPECT_TRUE(rejects([&] { run(c, s); }, {"softcap"})) << cap;
+  }
+  {
+    // A softcap that differs between ranks: every rank refuses the call.
+    AttnSpec s = c.spec;
+    s.softcap = me == 0 ? 30.f : 50.f;
+    if (P > 1) {
+      EXPECT_THROW(run(c, s), Error);
+    }
+  }
   {
     AttnSpec s = c.spec;
     s.sinks = make_sinks({0.5f, 1.f, 2.f});  // 4 query heads

@@ -98,6 +98,8 @@ cpu::ReferenceResult naive_reference(const Tensor& q, const Tensor& k, const Ten
             dot += qd[size_t(((b * Sq + i) * Hq + h) * D + d)] *
                    kd[size_t(((b * Sk + j) * Hkv + hk) * D + d)];
           s[size_t(j)] = dot * scale;
+          if (spec.softcap > 0.f)
+            s[size_t(j)] = spec.softcap * std::tanh(s[size_t(j)] / spec.softcap);
           m = std::max(m, s[size_t(j)]);
         }
         const double sink = spec.sinks ? double((*spec.sinks)[size_t(h)]) : ninf;

@@ -37,11 +37,12 @@ using test::world_size;
 struct Problem {
   int64_t B, Hq, Hkv, D, Dv;
   DType dtype;
-  bool sinks = false;  // test::sinks_for(Hq), joined once to the merged result
+  bool sinks = false;   // test::sinks_for(Hq), joined once to the merged result
+  float softcap = 0.f;  // logit softcap
 };
-// fp32 with D_v = D; bf16 with B = 2, D_v != D and attention sinks.
-const Problem kF32{1, 4, 2, 32, 32, DType::f32};
-const Problem kBF16{2, 4, 2, 32, 48, DType::bf16, true};
+// fp32 with D_v = D and a logit softcap; bf16 with B = 2, D_v != D, attention sinks and a softcap.
+const Problem kF32{1, 4, 2, 32, 32, DType::f32, false, 2.f};
+const Problem kBF16{2, 4, 2, 32, 48, DType::bf16, true, 4.f};
 
 AttnSpec make_spec(const Problem& pb) {
   AttnSpec spec;
@@ -51,6 +52,7 @@ AttnSpec make_spec(const Problem& pb) {
   spec.head_dim_v = pb.Dv;
   spec.mask = Mask::causal();
   if (pb.sinks) spec.sinks = test::sinks_for(pb.Hq);
+  spec.softcap = pb.softcap;
   return spec;
 }
 

@@ -106,19 +106,22 @@ const char* mask_name(MaskKind m) {
 // (MQA), so every Ulysses degree U > 1 is past H_kv (U = 2, 3, 4 H_kv: the members share it), and
 // S = 20 two, shared by U = 4 (2 H_kv), split by U = 2, and refused by U = 3 (test_errors).
 // S = 61, 29 and 20 have attention sinks (test::sinks_for: some far above the scores, so that the
-// sink dominates their rows), joined once to the merged result whatever the schedule.
+// sink dominates their rows), joined once to the merged result whatever the schedule. S = 48
+// has a logit softcap alone, S = 61 and 20 with the sinks (caps of about the scores' spread, where
+// tanh bends them most).
 struct Problem {
   int64_t S, B, Hq, Hkv, D, Dv;
   DType dtype;
   std::vector<int64_t> cu_seqlens;  // documents (1-token ones, and ones shorter than 2P)
   bool sinks = false;
+  float softcap = 0.f;
 };
 const Problem kProblems[] = {
-    {48, 1, 48, 12, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}},
-    {61, 2, 48, 12, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}, true},
+    {48, 1, 48, 12, 16, 16, DType::f32, {0, 1, 13, 14, 30, 48}, false, 1.5f},
+    {61, 2, 48, 12, 32, 16, DType::bf16, {0, 1, 20, 21, 24, 45, 61}, true, 3.f},
     {7, 1, 48, 12, 16, 16, DType::f16, {0, 1, 2, 7}},
     {29, 1, 12, 1, 16, 16, DType::f32, {0, 1, 9, 10, 29}, true},
-    {20, 2, 8, 2, 16, 8, DType::bf16, {0, 7, 8, 20}, true},
+    {20, 2, 8, 2, 16, 8, DType::bf16, {0, 7, 8, 20}, true, 2.f},
 };
 
 // The kv heads one Ulysses member holds: H_kv / U, or the one it shares past H_kv.
@@ -196,6 +199,7 @@ AttnSpec make_spec(const Problem& pb, const Mask& mask) {
   spec.head_dim_v = pb.Dv;
   spec.mask = mask;
   if (pb.sinks) spec.sinks = test::sinks_for(pb.Hq);
+  spec.softcap = pb.softcap;
   return spec;
 }
 

@@ -62,6 +62,7 @@ struct Workspace {
   float* v = nullptr;     // [kBwdTileK, Dv]  converted values
   float* p = nullptr;     // [kBwdTileQ, kBwdTileK] scores, then probabilities P
   float* ds = nullptr;    // [kBwdTileQ, kBwdTileK] dP, then dS
+  float* t = nullptr;     // [kBwdTileQ, kBwdTileK] tanh(S / softcap), with a softcap
   // Q, dO and K tiles with their non-finite rows zeroed (rare), at the tiles' own leading
   // dimensions (the GEMM kernels' blocking, and so the bits of clean rows, depend on them), and
   // the same of the raw bf16 rows on the bf16 GEMM path. Sized when first needed.
@@ -83,8 +84,9 @@ struct Workspace {
 
   Workspace(int64_t d, int64_t dv)
       : kpos(size_t(kBwdTileK)), kdoc(size_t(kBwdTileK)), empty(size_t(kBwdTileQ)) {
-    const int64_t sizes[] = {kBwdTileQ * d,  kBwdTileQ * dv,        kBwdTileK * d,
-                             kBwdTileK * dv, kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK};
+    const int64_t sizes[] = {kBwdTileQ * d,        kBwdTileQ * dv,        kBwdTileK * d,
+                             kBwdTileK * dv,       kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK,
+                             kBwdTileQ * kBwdTileK};
     int64_t total = 0;
     for (int64_t sz : sizes)
       total += (sz + 15) / 16 * 16;  // 64-byte aligned pieces
@@ -93,8 +95,8 @@ struct Workspace {
       DATTN_THROW_KIND(ErrorKind::out_of_memory,
                        "out of host memory allocating the attention backward workspace");
     float* ptr = mem.get();
-    float** slots[] = {&q, &dout, &k, &v, &p, &ds};
-    for (int i = 0; i < 6; ++i) {
+    float** slots[] = {&q, &dout, &k, &v, &p, &ds, &t};
+    for (int i = 0; i < 7; ++i) {
       *slots[i] = ptr;
       ptr += (sizes[i] + 15) / 16 * 16;
     }
@@ -320,6 +322,8 @@ struct Problem {
       if (!ws.q_check.bad.empty()) ws.q_bad = &ws.q_check.bad;
       if (!ws.k_check.bad.empty()) ws.k_bad = &ws.k_check.bad;
     }
+    // The softcap, as the forward applies it (after the checks above, which read the raw S).
+    if (blk.softcap > 0.f) softcap_row(ws.p, bq * bk, blk.softcap, ws.t);
     if (partial) {
       for (int64_t j = 0; j < bk; ++j) {
         ws.kpos[size_t(j)] = k_pos(j0 + j);
@@ -393,6 +397,12 @@ struct Problem {
       } else {
         for (int64_t j = 0; j < bk; ++j)
           drow[j] = prow[j] * (drow[j] - d);
+      }
+      // Through the softcap: d(cap tanh(s / cap)) / ds = 1 - tanh^2.
+      if (blk.softcap > 0.f) {
+        const float* trow = ws.t + i * bk;
+        for (int64_t j = 0; j < bk; ++j)
+          drow[j] *= 1.f - trow[j] * trow[j];
       }
     }
     return true;

@@ -285,6 +285,8 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
       bool any_row = false;
       for (int64_t i = 0; i < bq; ++i) {
         float* srow = ws.s + i * bk;
+        // The softcap row by row, while the row is in L1 for the max and exp that follow.
+        if (blk.softcap > 0.f) softcap_row(srow, bk, blk.softcap);
         if (cover == Mask::Cover::some) {
           const int64_t qp = q_pos(i0 + i), qdoc = mask.document_of(qp);
           for (int64_t j = 0; j < bk; ++j)

@@ -589,6 +589,7 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       float* srow = s + t * lds;
       float& m = ws.m[size_t(t)];
       float& l = ws.l[size_t(t)];
+      if (p.softcap > 0.f) softcap_row(srow, n, p.softcap);  // keeps the mask's -inf
       const float m_new = std::max(m, row_max(srow, n));
       if (m_new == -INFINITY) {  // sees nothing yet; NaN scores make the row NaN (as the tiles do)
         if (has_nan(srow, n)) m = l = NAN;
@@ -824,6 +825,7 @@ void decode_forward(const AttentionBlock& blk, float* out, float* lse, DecodeIsa
     j.q = q.data() + b * HR * D;
     if (!q16.empty()) j.q16 = q16.data() + b * HR * D, j.q16_scale = blk.scale;
     j.q_pos = qpos.data();
+    j.softcap = blk.softcap;
     j.heads_kv = Hkv, j.rows = R, j.d1 = D, j.dv = Dv, j.n_keys = k_len;
     j.dtype = blk.dtype;
     const size_t row0 = size_t((b * blk.seq_k + blk.k_begin) * Hkv);

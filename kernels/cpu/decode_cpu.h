@@ -58,6 +58,7 @@ struct DecodeJob {
   int64_t k1_key = 0, k1_head = 0, k2_key = 0, k2_head = 0, v_key = 0, v_head = 0;
   int64_t k_pos0 = 0, k_pos_stride = 1, k_pos_block = 1;
   Mask mask;
+  float softcap = 0.f;  // > 0: scores become softcap * tanh(s / softcap) before the softmax
 };
 
 // The partials of `jobs` (one per batch entry, all of one shape) over `splits` key splits:

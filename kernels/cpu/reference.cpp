@@ -44,6 +44,7 @@ ReferenceResult attention_reference(const Tensor& q, const Tensor& k, const Tens
           for (int64_t d = 0; d < D; ++d)
             dot += qrow[d] * krow[d];
           s[j] = dot * scale;
+          if (spec.softcap > 0.f) s[j] = spec.softcap * std::tanh(s[j] / spec.softcap);
           m = std::max(m, s[j]);
         }
         // A sink: one more logit in the normaliser, with no value (a row of no key: lse = sink).
@@ -107,6 +108,7 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
           for (int64_t d = 0; d < D; ++d)
             dot += qv(i, d) * kv(j, d);
           p[j] = dot * scale;
+          if (spec.softcap > 0.f) p[j] = spec.softcap * std::tanh(p[j] / spec.softcap);
           m = std::max(m, p[j]);
         }
         const double sink = spec.sinks ? double((*spec.sinks)[size_t(h)]) : ninf;
@@ -132,7 +134,14 @@ ReferenceGrads attention_backward_reference(const Tensor& q, const Tensor& k, co
         double* dq = g.dq.data() + ((b * Sq + i) * Hq + h) * D;
         for (int64_t j = 0; j < Sk; ++j) {
           if (p[j] == 0.0) continue;
-          const double ds = p[j] * (dp[j] - delta);
+          double ds = p[j] * (dp[j] - delta);
+          if (spec.softcap > 0.f) {  // through cap * tanh(s / cap): 1 - tanh^2
+            double dot = 0;
+            for (int64_t d = 0; d < D; ++d)
+              dot += qv(i, d) * kv(j, d);
+            const double t = std::tanh(dot * scale / spec.softcap);
+            ds *= 1.0 - t * t;
+          }
           double* dk = g.dk.data() + ((b * Sk + j) * Hkv + hk) * D;
           double* dv = g.dv.data() + ((b * Sk + j) * Hkv + hk) * Dv;
           for (int64_t d = 0; d < D; ++d) {

@@ -14,7 +14,8 @@ namespace dattn::cpu {
 // (a Tensor::get per access took 98% of a reference's time under ASan).
 std::vector<double> as_doubles(const Tensor& t);
 
-// With spec.sinks, each row's softmax counts its head's sink (AttnSpec::sinks).
+// With spec.softcap, each scaled score s is softcap * tanh(s / softcap); with spec.sinks, each
+// row's softmax counts its head's sink (AttnSpec::sinks).
 struct ReferenceResult {
   std::vector<double> out;  // [B, S_q, H_q, D_v]
   std::vector<double> lse;  // [B, H_q, S_q]; -inf for a row that sees no key (out row = 0), or

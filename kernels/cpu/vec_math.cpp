@@ -52,6 +52,22 @@ float exp_shift_sum_portable(float* x, int64_t n, float m) {
   return s;
 }
 
+// Logit softcap: cap * tanh(x / cap), with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+// <= 1 (exp_nonpositive's domain; |error| about 1e-7 absolute in tanh, so cap * 1e-7 in the
+// score). -inf (a masked score) and NaN stay as they are. t: tanh(x / cap), or null.
+void softcap_portable(float* x, int64_t n, float cap, float* t) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(x[i] > -INFINITY)) {
+      if (t) t[i] = 0.f;
+      continue;
+    }
+    const float y = x[i] / cap, e = exp_nonpositive(-2.f * std::fabs(y));
+    const float th = std::copysign((1.f - e) / (1.f + e), y);
+    if (t) t[i] = th;
+    x[i] = cap * th;
+  }
+}
+
 // x = hi + lo: hi is x rounded to bf16 (to nearest even), lo the rest rounded. For finite x and
 // quiet NaNs (a NaN stays NaN); the integer rounding would turn a signalling NaN into inf.
 uint16_t round_bf16(float f) {
@@ -131,6 +147,34 @@ __attribute__((target("avx512f"))) float exp_shift_sum_avx512(float* x, int64_t 
   return _mm512_reduce_add_ps(acc);
 }
 
+// tanh(y) = 1 - 2 / (1 + e), e = exp(2y) = 2^t with t = x * 2 log2(e) / cap: 2^t by range
+// reduction (t = n + g, |g| <= 1/2, degree-6 polynomial in g ln 2, scalef), 1 / (1 + e) by rcp14
+// and one Newton step; t clamped to 64 (tanh 1 to float precision, and +inf stays finite there).
+// About 17 vector operations a lane group (0.32 ns a score on an AMD EPYC Zen 4 core, about what
+// exp_shift_sum costs), against 25 with exp512 and a divide; about 2e-7 absolute in tanh.
+__attribute__((target("avx512f"))) void softcap_avx512(float* x, int64_t n, float cap, float* t) {
+  const __m512 k = _mm512_set1_ps(2.f * kLog2e / cap), ln2 = _mm512_set1_ps(0.693147180559945f);
+  const __m512 vcap = _mm512_set1_ps(cap), two_cap = _mm512_set1_ps(2.f * cap);
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m512 tt = _mm512_min_ps(_mm512_mul_ps(v, k), _mm512_set1_ps(64.f));  // +inf: 2^64
+    const __m512 nn = _mm512_roundscale_ps(tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(tt, nn), ln2);
+    __m512 p = _mm512_set1_ps(kC[6]);
+    for (int c = 5; c >= 0; --c)
+      p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC[c]));
+    const __m512 den = _mm512_add_ps(one, _mm512_scalef_ps(p, nn));
+    __m512 r = _mm512_rcp14_ps(den);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, two));
+    _mm512_mask_storeu_ps(x + i, live, _mm512_fnmadd_ps(two_cap, r, vcap));  // cap (1 - 2r)
+    if (t)
+      _mm512_mask_storeu_ps(t + i, m, _mm512_maskz_mov_ps(live, _mm512_fnmadd_ps(two, r, one)));
+  }
+}
+
 // AVX2 + FMA: 8 lanes, no masked loads (the tail goes to the portable loop) and no scalef
 // (2^n built from the exponent bits; n >= -126 here, so 2^n is a normal float).
 __attribute__((target("avx2,fma"))) __m256 exp256(__m256 x) {
@@ -175,6 +219,23 @@ __attribute__((target("avx2,fma"))) float exp_shift_sum_avx2(float* x, int64_t n
     acc = _mm256_add_ps(acc, e);
   }
   return hsum256(acc) + exp_shift_sum_portable(x + i, n - i, m);
+}
+
+__attribute__((target("avx2,fma"))) void softcap_avx2(float* x, int64_t n, float cap, float* t) {
+  const __m256 inv = _mm256_set1_ps(1.f / cap), vcap = _mm256_set1_ps(cap);
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 live = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m256 y = _mm256_mul_ps(v, inv);
+    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.f), _mm256_andnot_ps(sign, y)));
+    __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    th = _mm256_or_ps(th, _mm256_and_ps(sign, y));
+    _mm256_storeu_ps(x + i, _mm256_blendv_ps(v, _mm256_mul_ps(vcap, th), live));
+    if (t) _mm256_storeu_ps(t + i, _mm256_and_ps(live, th));
+  }
+  softcap_portable(x + i, n - i, cap, t ? t + i : nullptr);
 }
 
 const VecIsa kIsa = __builtin_cpu_supports("avx512f") ? VecIsa::avx512
@@ -241,6 +302,18 @@ void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
 }
 float exp_shift_sum(float* x, int64_t n, float m) {
   return exp_shift_sum(kIsa, x, n, m);
+}
+
+void softcap_row(VecIsa isa, float* x, int64_t n, float cap, float* t) {
+#if defined(__x86_64__)
+  if (isa == VecIsa::avx512) return softcap_avx512(x, n, cap, t);
+  if (isa == VecIsa::avx2) return softcap_avx2(x, n, cap, t);
+#endif
+  (void)isa;
+  softcap_portable(x, n, cap, t);
+}
+void softcap_row(float* x, int64_t n, float cap, float* t) {
+  softcap_row(kIsa, x, n, cap, t);
 }
 
 void scale_row(float* x, int64_t n, float c) {

@@ -18,6 +18,10 @@ float row_max(const float* x, int64_t n);
 float exp_shift_sum(float* x, int64_t n, float m);
 // x[i] *= c.
 void scale_row(float* x, int64_t n, float c);
+// Logit softcap in place: x[i] = cap * tanh(x[i] / cap) (cap > 0), -inf (a masked score) and NaN
+// unchanged; with t, t[i] = tanh(x[i] / cap) (0 where x[i] was kept), the backward's derivative
+// 1 - t^2. About 2e-7 absolute in tanh.
+void softcap_row(float* x, int64_t n, float cap, float* t = nullptr);
 // x[i] = hi[i] + lo[i] in bf16 bits: hi[i] is x[i] rounded to bf16 (to nearest even), lo[i] the
 // rest rounded, so hi + lo is within 2^-17 |x[i]| (2^-126 below the normal range). x finite or
 // quiet NaN (NaN stays NaN).
@@ -31,5 +35,6 @@ float row_max(VecIsa isa, const float* x, int64_t n);
 float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m);
 void split_bf16(VecIsa isa, const float* x, int64_t n, uint16_t* hi,
                 uint16_t* lo);  // AVX2: portable
+void softcap_row(VecIsa isa, float* x, int64_t n, float cap, float* t = nullptr);
 
 }  // namespace dattn::cpu

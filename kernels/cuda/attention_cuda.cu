@@ -163,6 +163,12 @@ bool detail::flash_params(const AttentionBlock& blk, float* out, float* lse, Fla
   p->out = out;
   p->lse = lse;
   p->scale_log2 = float(double(blk.scale) * 1.4426950408889634);  // exp(x) = exp2(x log2 e)
+  DATTN_CHECK_ARG(std::isfinite(blk.softcap) && blk.softcap >= 0.f, "softcap", blk.softcap,
+                  "0 (off) or a finite positive cap");
+  if (blk.softcap > 0.f) {
+    p->softcap_in = float(double(blk.scale) / double(blk.softcap));
+    p->softcap_log2 = float(double(blk.softcap) * 1.4426950408889634);
+  }
   // 16-byte cp.async needs every row start 16-byte aligned: dims multiples of 8 elements and
   // aligned bases (cudaMalloc's are). Otherwise the kernel loads element by element.
   p->vec_loads = blk.head_dim % 8 == 0 && blk.head_dim_v % 8 == 0 && aligned16(blk.q) &&

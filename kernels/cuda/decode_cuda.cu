@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) decode_split_kernel(cons
     for (int k = 0; k < kRowsPerWarp; ++k) {
       const int r = warp + kWarps * k;
       if (r >= nrows) continue;  // the same in the whole warp
-      float x = s[k] * p.scale_log2;
+      float x = log2_score(p, s[k]);
       // A hidden key's score is replaced, never used: a NaN in its K row goes nowhere.
       if (masked && !(exists && in_band(p, s_qpos[r], kp) && kd == s_qdoc[r])) x = -INFINITY;
       float mx = fmaxf(m[k], x);

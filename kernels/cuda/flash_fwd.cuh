@@ -102,6 +102,12 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 #endif  // DATTN_CUDA_EMULATION
 
+// A raw score q . k as the softmax takes it: scaled, capped (FlashParams::softcap_in), in log2
+// units. A NaN stays NaN; masking replaces hidden scores after this.
+__device__ __forceinline__ float log2_score(const FlashParams& p, float s) {
+  return p.softcap > 0.f ? p.softcap_log2 * tanhf(s * p.softcap_in) : s * p.scale_log2;
+}
+
 // ---------------------------------------------------------------- positions and the mask
 // The same rules as the CPU kernel (Mask::in_band, Mask::document_of, Mask::cover in
 // src/base/spec.h).
@@ -390,10 +396,10 @@ __global__ void __launch_bounds__(FlashTiles<kD>::kWarps * 32, 1)
     }
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
-      s[i][0] *= p.scale_log2;
-      s[i][1] *= p.scale_log2;
-      s[i][2] *= p.scale_log2;
-      s[i][3] *= p.scale_log2;
+      s[i][0] = log2_score(p, s[i][0]);
+      s[i][1] = log2_score(p, s[i][1]);
+      s[i][2] = log2_score(p, s[i][2]);
+      s[i][3] = log2_score(p, s[i][3]);
     }
 
     // The mask, only where the tile is not wholly visible: partially covered tiles, and the last

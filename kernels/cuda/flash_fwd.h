@@ -21,6 +21,10 @@ struct FlashParams : AttentionBlock {
   float* out = nullptr;    // [batch, seq_q, heads_q, head_dim_v] fp32, merged into
   float* lse = nullptr;    // [batch, heads_q, seq_q] fp32, merged into
   float scale_log2 = 0.f;  // softmax scale * log2(e): scores go through exp2
+  // With a softcap (blk.softcap > 0): a score s becomes softcap_log2 * tanh(s * softcap_in), the
+  // capped scaled score in log2 units (softcap_in = scale / softcap, softcap_log2 = softcap *
+  // log2(e)).
+  float softcap_in = 0.f, softcap_log2 = 0.f;
   bool vec_loads = false;  // 16-byte cp.async loads allowed (dims % 8 == 0, 16-byte aligned)
 };
 

@@ -133,10 +133,13 @@ def _mask(o, causal, window):
     return o
 
 
-def _sinks(o, sinks):
-    """Attention sinks into an options dict: sinks (a torch tensor, numpy array or sequence of
-    heads_q logits, one per query head) as the floats the extension takes; None: none. The
-    extension checks the count and that each is finite."""
+def _sinks(o, sinks, softcap=None):
+    """Attention sinks and the logit softcap into an options dict: sinks (a torch tensor, numpy
+    array or sequence of heads_q logits, one per query head) as the floats the extension takes;
+    None: none. softcap: a float (0 or None: off). The extension checks the count, that each sink
+    is finite and that softcap is >= 0."""
+    if softcap is not None:
+        o["softcap"] = float(softcap)
     if sinks is not None:
         if _is_torch(sinks):
             sinks = sinks.detach().to("cpu", torch.float32).numpy()
@@ -171,10 +174,11 @@ def _layout(o, layout, stripe_block, cu_seqlens, block=None):
 
 
 def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",
-             ulysses_degree=None, stripe_block=1, runtime=None, sinks=None):
+             ulysses_degree=None, stripe_block=1, runtime=None, sinks=None, softcap=None):
     """The options dict the extension takes: the mask as window sizes and document boundaries.
     hybrid needs ulysses_degree on the default runtime; a dattn.Runtime brings its own."""
-    o = _sinks(_scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale), sinks)
+    o = _sinks(_scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale), sinks,
+               softcap)
     _layout(o, layout, stripe_block, cu_seqlens)
     if strategy == "hybrid":
         if ulysses_degree is None and runtime is None:
@@ -374,7 +378,7 @@ def _run(call, q, k, v, return_lse, sinks=None):
 
 def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", strategy="ring",
               window=None, cu_seqlens=None, return_lse=False, ulysses_degree=None,
-              stripe_block=1, runtime=None, sinks=None):
+              stripe_block=1, runtime=None, sinks=None, softcap=None):
     """Distributed attention of this rank's shards q [B, S_r, H, D], k and v [B, S_r, H_kv, D(v)]
     under `layout` ("contiguous", "zigzag", "striped" with `stripe_block`, "varlen" with
     `cu_seqlens`). The global sequence is the sum of the ranks' shard lengths. Collective over
@@ -391,27 +395,29 @@ def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", st
     sinks: attention sinks (gpt-oss), one learned logit per query head ([H] torch tensor, numpy
     array or list), each joining its rows' softmax as a key with no value; lse counts them (a
     row that sees no key: out 0, lse the sink). A torch sinks tensor that requires grad gets its
-    gradient (summed over every rank's rows). Calls with sinks go through a
-    torch.autograd.Function, not the torch.library operator (torch.compile breaks the graph
-    there)."""
-    if runtime is None and sinks is None and _torch_ops.applies(q, k, v):
+    gradient (summed over every rank's rows). softcap: the logit softcap (Gemma 2): each scaled
+    score s becomes softcap * tanh(s / softcap) before the mask and softmax (None or 0: off).
+    Calls with sinks or a softcap go through a torch.autograd.Function, not the torch.library
+    operator (torch.compile breaks the graph there)."""
+    if runtime is None and sinks is None and not softcap and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(False, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens, layout, strategy, ulysses_degree, stripe_block)
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime, sinks)
+                       ulysses_degree, stripe_block, runtime, sinks, softcap)
     call = _Call(_C.attention_forward, _C.attention_backward, options, _handle(runtime))
     return _run(call, q, k, v, return_lse, sinks)
 
 
 def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
                        layout="contiguous", strategy="ring", window=None, cu_seqlens=None,
-                       ulysses_degree=None, stripe_block=1, runtime=None, sinks=None):
+                       ulysses_degree=None, stripe_block=1, runtime=None, sinks=None,
+                       softcap=None):
     """The distributed backward without autograd: dq, dk, dv (float32, the shapes of q, k, v) for
     the attention call with these arguments that returned out and lse, and dout, the gradient of
     out; with sinks, dsinks [H] float32 after them (summed over every rank's rows). Collective,
     like attention()."""
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime, sinks)
+                       ulysses_degree, stripe_block, runtime, sinks, softcap)
     like_torch = _is_torch(q)
     res = _C.attention_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
@@ -420,23 +426,23 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
 
 
 def attention_local(q, k, v, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
-                    return_lse=False, sinks=None):
+                    return_lse=False, sinks=None, softcap=None):
     """Attention of this process alone over whole tensors (no communication, the same kernels):
     the single-process counterpart of attention(), with autograd for torch tensors (and sinks,
-    as attention's)."""
-    if sinks is None and _torch_ops.applies(q, k, v):
+    and softcap, as attention's)."""
+    if sinks is None and not softcap and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(True, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens)
-    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks)
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap)
     call = _Call(_C.attention_local_forward, _C.attention_local_backward, options)
     return _run(call, q, k, v, return_lse, sinks)
 
 
 def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
-                             window=None, cu_seqlens=None, sinks=None):
+                             window=None, cu_seqlens=None, sinks=None, softcap=None):
     """The backward of attention_local without autograd: dq, dk, dv (float32), and dsinks with
     sinks."""
-    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks)
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap)
     like_torch = _is_torch(q)
     res = _C.attention_local_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),
@@ -480,7 +486,8 @@ class KvCache:
     ones on rank t % P) or "last_rank" (all on the last, as star_decode needs). positions()
     says which global positions this rank's rows hold. The mask (causal by default, window=,
     softmax_scale) is the decode's: a query at position p sees the tokens the mask lets it;
-    sinks (heads_q logits, as attention's) join each decode step's merged result once.
+    sinks (heads_q logits, as attention's) join each decode step's merged result once; softcap
+    caps the scores as attention's.
 
     Collective, like prefill() and append(): every rank of the cp group makes the same calls
     (a bad argument raises on every rank). Attributes: length (tokens in the whole context),
@@ -489,8 +496,8 @@ class KvCache:
 
     def __init__(self, heads_q, heads_kv, head_dim, batch, dtype, capacity,
                  placement="round_robin", head_dim_v=None, causal=True, window=None,
-                 softmax_scale=None, runtime=None, sinks=None):
-        options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks)
+                 softmax_scale=None, runtime=None, sinks=None, softcap=None):
+        options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks, softcap)
         self._c = _C.KvCache(heads_q, heads_kv, head_dim, head_dim_v, batch, _dtype_code(dtype),
                              capacity, str(placement), options, _handle(runtime))
         self.runtime = runtime if runtime is not None else default_runtime()
@@ -554,7 +561,7 @@ def decode(q, cache, strategy="tree", return_lse=False, runtime=None):
 # ---------------------------------------------------------------- star attention
 
 def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, window=None,
-                 return_lse=False, runtime=None, sinks=None):
+                 return_lse=False, runtime=None, sinks=None, softcap=None):
     """Star attention's phase 1 (dattn::star_prefill): the context cut into blocks of `block`
     tokens, each attending to itself (causally by default) behind the anchor, the context's
     first `anchor` tokens (None: `block`; 0: no anchor); block 0 attends to itself alone. q, k,
@@ -564,8 +571,8 @@ def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, w
     middle of the context before it); exact causal attention when one block holds the whole
     context. Collective: one broadcast of the anchor's K/V. Returns this rank's out
     [B, S_r, H, Dv] float32 (and lse [B, H, S_r] with return_lse). Inputs must be
-    C-contiguous. sinks: as attention's (no gradient here)."""
-    options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks)
+    C-contiguous. sinks and softcap: as attention's (no gradient here)."""
+    options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks, softcap)
     res = _C.star_prefill(_view(q, "q"), _view(k, "k"), _view(v, "v"), options, block, anchor,
                           _handle(runtime))
     return _out(res, _is_torch(q), return_lse)

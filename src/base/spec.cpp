@@ -18,6 +18,8 @@ void AttnSpec::validate() const {
                   "0 (same as head_dim) or 1 to 256");
   DATTN_CHECK_ARG(std::isfinite(softmax_scale) && softmax_scale >= 0.f, "softmax_scale",
                   softmax_scale, "0 (meaning 1/sqrt(head_dim)) or a finite positive value");
+  DATTN_CHECK_ARG(std::isfinite(softcap) && softcap >= 0.f, "softcap", softcap,
+                  "0 (off) or a finite positive cap (scores become cap * tanh(s / cap))");
   mask.validate();
   if (sinks) {
     DATTN_CHECK_ARG(int64_t(sinks->size()) == heads_q, "sinks size", sinks->size(),
@@ -102,7 +104,7 @@ void Mask::validate() const {
 std::string AttnSpec::str() const {
   return detail::cat("heads_q=", heads_q, " heads_kv=", heads_kv, " head_dim=", head_dim,
                      " head_dim_v=", dim_v(), " scale=", scale(), " mask=", mask.str(),
-                     sinks ? " sinks" : "");
+                     softcap > 0.f ? detail::cat(" softcap=", softcap) : "", sinks ? " sinks" : "");
 }
 
 }  // namespace dattn

@@ -85,6 +85,10 @@ struct AttnSpec {
   int64_t head_dim_v = 0;     // of V and out; 0 means head_dim
   float softmax_scale = 0.f;  // 0 means 1/sqrt(head_dim)
   Mask mask = Mask::none();
+  // Logit softcap (Gemma 2): > 0: each scaled score s becomes softcap * tanh(s / softcap) before
+  // the mask and the softmax (the kernels apply it; the backward multiplies dS by 1 - tanh^2);
+  // 0: off. Finite.
+  float softcap = 0.f;
   // Attention sinks (gpt-oss): one learned logit per query head, heads_q finite values, that joins
   // every row's softmax as an extra key with no value: a row's normaliser gains exp(sink), so
   // lse = log(sum_j exp(s_j) + exp(sink)) and out = sum_j exp(s_j - lse) v_j (a row that sees no

@@ -59,9 +59,10 @@ const char* mask_name(MaskKind m) {
 constexpr int64_t kB = 2, kS = 203, kHq = 8, kHkv = 2, kD = 64;
 constexpr DType kDtype = DType::bf16;
 
-AttnSpec make_spec(MaskKind m, bool sinks = false) {
+AttnSpec make_spec(MaskKind m, bool sinks = false, float softcap = 0.f) {
   AttnSpec spec;
   if (sinks) spec.sinks = test::sinks_for(kHq);
+  spec.softcap = softcap;
   spec.heads_q = kHq;
   spec.heads_kv = kHkv;
   spec.head_dim = kD;
@@ -91,11 +92,12 @@ struct GpuAttentionCase {
   Strategy strategy;
   LayoutKind layout;
   MaskKind mask;
-  bool sinks = false;  // attention sinks, joined on the device (movement::cuda::add_sinks)
+  bool sinks = false;   // attention sinks, joined on the device (movement::cuda::add_sinks)
+  float softcap = 0.f;  // logit softcap, in the kernels
 };
 std::string case_name(const GpuAttentionCase& c) {
   return std::string(strategy_name(c.strategy)) + "_" + layout_name(c.layout) + "_" +
-         mask_name(c.mask) + (c.sinks ? "_sinks" : "");
+         mask_name(c.mask) + (c.sinks ? "_sinks" : "") + (c.softcap > 0.f ? "_softcap" : "");
 }
 std::ostream& operator<<(std::ostream& os, const GpuAttentionCase& c) {
   return os << case_name(c);
@@ -125,7 +127,7 @@ TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
   ASSERT_EQ(g.device(), Device::cuda(test::OneGpuPerRank::device()));
   ASSERT_EQ(g.cp().backend(), test::kGpuBackend);
   const Layout layout = make_layout(c.layout, P);
-  const AttnSpec spec = make_spec(c.mask, c.sinks);
+  const AttnSpec spec = make_spec(c.mask, c.sinks, c.softcap);
   const int64_t Sl = layout.local_len(me);
   // The Ulysses degree of the strategy (src/attention.cpp, ulysses_degree_of).
   const int U = c.strategy == Strategy::ring      ? 1
@@ -192,7 +194,8 @@ std::vector<GpuAttentionCase> gpu_attention_cases() {
       for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window})
         cs.push_back({s, l, m});
   for (Strategy s : {Strategy::ring, Strategy::ulysses, Strategy::hybrid})
-    cs.push_back({s, LayoutKind::zigzag, MaskKind::window, true});
+    cs.push_back({s, LayoutKind::zigzag, MaskKind::window, true, 3.f});
+  cs.push_back({Strategy::ring, LayoutKind::contiguous, MaskKind::causal, false, 1.5f});
   return cs;
 }
 

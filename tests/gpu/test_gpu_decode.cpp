@@ -53,7 +53,9 @@ AttnSpec make_spec(MaskKind m) {
   spec.heads_kv = kHkv;
   spec.head_dim = kD;
   spec.mask = m == MaskKind::causal ? Mask::causal() : Mask::window(37, 5);
-  // The window's cases also have attention sinks, joined on the device after the merge.
+  // A logit softcap on every case; the window's also have attention sinks, joined on the device
+  // after the merge.
+  spec.softcap = 2.5f;
   if (m == MaskKind::window) spec.sinks = test::sinks_for(kHq);
   return spec;
 }

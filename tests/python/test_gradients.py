@@ -54,12 +54,15 @@ def visible(S, mask, cu):
     return vis
 
 
-def reference(q, k, v, vis, scale, sinks=None):
+def reference(q, k, v, vis, scale, sinks=None, softcap=0.0):
     """out [B,S,H,Dv] and lse [B,H,S] of float64 tensors, differentiable by torch autograd. sinks
-    [H]: one more logit per row, with no value (it joins the normaliser only)."""
+    [H]: one more logit per row, with no value (it joins the normaliser only); softcap > 0: the
+    scores become softcap * tanh(s / softcap)."""
     g = q.shape[2] // k.shape[2]
     kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kx) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~vis, float("-inf"))
     if sinks is None:
         lse = torch.logsumexp(s, dim=-1)
@@ -142,41 +145,53 @@ def run_config(idx, strategy, layout, mask, B, S, H, Hkv, D, stripe_block=1, uly
 
 
 def check_sinks():
-    """Attention sinks (sinks=, a torch tensor that requires grad): out, lse, dq, dk, dv and
-    d sinks against float64 autograd for each strategy on zigzag (causal and a window narrower
-    than some rows' history), attention_local, the numpy backward's fourth result, a decode step
-    from a KvCache with sinks, and a sinks tensor of the wrong length, rejected on every rank."""
+    """Attention sinks (sinks=, a torch tensor that requires grad) and the logit softcap
+    (softcap=): out, lse, dq, dk, dv and d sinks against float64 autograd for each strategy on
+    zigzag (causal with sinks and a softcap, a window narrower than some rows' history with sinks
+    alone, and no mask with the softcap alone), attention_local, the numpy backward's fourth
+    result, a decode step from a KvCache with both, and a sinks tensor of the wrong length and a
+    negative softcap, rejected on every rank."""
     B, S, H, Hkv, D = 2, 23, 2 * P, P, 16
     q, k, v, dout = make_inputs(77, B, S, H, Hkv, D)
     sinks = torch.tensor([0.5, -1.0, 6.0, 1.5, -2.0, 0.0, 3.0, 1.0][:H], dtype=torch.float64)
     scale = 1.0 / D ** 0.5
     pos = torch.from_numpy(dattn.layout_positions("zigzag", S))
     for strategy in ("ring", "ulysses", "hybrid"):
-        for mask in ("causal", "window"):
+        for mask, with_sinks, cap in (("causal", True, 1.5), ("window", True, 0.0),
+                                      ("none", False, 2.0)):
             q64, k64, v64, s64 = (t.clone().requires_grad_() for t in (q, k, v, sinks))
-            out_ref, lse_ref = reference(q64, k64, v64, visible(S, mask, None), scale, s64)
+            out_ref, lse_ref = reference(q64, k64, v64, visible(S, mask, None), scale,
+                                         s64 if with_sinks else None, cap)
             (out_ref * dout).sum().backward()
+            if not with_sinks:
+                s64.grad = torch.zeros_like(sinks)
             qs, ks, vs = (t[:, pos].float().contiguous().requires_grad_() for t in (q, k, v))
             ss = sinks.float().requires_grad_()
-            kw = dict(BANDS[mask], layout="zigzag", strategy=strategy,
+            kw = dict(BANDS[mask], layout="zigzag", strategy=strategy, softcap=cap,
                       ulysses_degree=1 if strategy == "hybrid" else None)
-            out, lse = dattn.attention(qs, ks, vs, return_lse=True, sinks=ss, **kw)
+            out, lse = dattn.attention(qs, ks, vs, return_lse=True,
+                                       sinks=ss if with_sinks else None, **kw)
             (out.double() * dout[:, pos]).sum().backward()
             errs = {"out": rel_err(out, out_ref.detach()[:, pos]),
                     "lse": rel_err(lse, lse_ref.detach()[:, :, pos]),
                     "dq": rel_err(qs.grad, q64.grad[:, pos]),
                     "dk": rel_err(ks.grad, k64.grad[:, pos]),
                     "dv": rel_err(vs.grad, v64.grad[:, pos]),
-                    "dsinks": rel_err(ss.grad, s64.grad)}
+                    "dsinks": rel_err(ss.grad, s64.grad) if with_sinks else 0.0}
             bad = {key: e for key, e in errs.items() if not e <= TOL_FP32}
-            assert not bad, f"rank {RANK}: sinks {strategy} {mask}: errors above {TOL_FP32}: {bad}"
-            # The numpy backward: dsinks as a fourth result, the same as autograd's.
+            assert not bad, (f"rank {RANK}: sinks {with_sinks} softcap {cap} {strategy} {mask}: "
+                             f"errors above {TOL_FP32}: {bad}")
+            assert with_sinks or ss.grad is None, f"rank {RANK}: a gradient for unused sinks"
+            # The numpy backward: dsinks as a fourth result (with sinks), the same as autograd's.
             grads = dattn.attention_backward(qs.detach().numpy(), ks.detach().numpy(),
                                              vs.detach().numpy(), out.detach().numpy(),
                                              lse.numpy(), dout[:, pos].float().numpy(),
-                                             sinks=sinks.numpy(), **kw)
-            assert len(grads) == 4 and np.array_equal(grads[3], ss.grad.numpy()), \
-                f"rank {RANK}: sinks {strategy} {mask}: numpy dsinks {grads[-1]} vs {ss.grad}"
+                                             sinks=sinks.numpy() if with_sinks else None, **kw)
+            assert len(grads) == (4 if with_sinks else 3), f"rank {RANK}: {len(grads)} results"
+            assert np.array_equal(grads[0], qs.grad.numpy()), f"rank {RANK}: numpy dq differs"
+            if with_sinks:
+                assert np.array_equal(grads[3], ss.grad.numpy()), \
+                    f"rank {RANK}: {strategy} {mask}: numpy dsinks {grads[3]} vs {ss.grad}"
     # attention_local: one process, the whole sequence.
     q64, k64, v64, s64 = (t.clone().requires_grad_() for t in (q, k, v, sinks))
     out_ref, _ = reference(q64, k64, v64, visible(S, "causal", None), scale, s64)
@@ -189,12 +204,12 @@ def check_sinks():
                            (sl.grad, s64.grad, "dsinks")):
         assert rel_err(got, ref) <= TOL_FP32, f"rank {RANK}: local sinks {what}: {rel_err(got, ref)}"
     # A decode step: the cache's sinks join the merged result of every strategy.
-    cache = dattn.KvCache(H, Hkv, D, B, "fp32", S, sinks=sinks.numpy())
+    cache = dattn.KvCache(H, Hkv, D, B, "fp32", S, sinks=sinks.numpy(), softcap=2.5)
     kz = torch.from_numpy(dattn.layout_positions("contiguous", S))
     cache.prefill(k[:, kz].float().contiguous(), v[:, kz].float().contiguous())
     qd = q[:, S - 1:].float().contiguous()
     vis = visible(S, "causal", None)[S - 1:]
-    out_ref, lse_ref = reference(q[:, S - 1:], k, v, vis, scale, sinks)
+    out_ref, lse_ref = reference(q[:, S - 1:], k, v, vis, scale, sinks, 2.5)
     for strategy in ("tree", "ring", "allgather"):
         out, lse = dattn.decode(qd, cache, strategy=strategy, return_lse=True)
         assert rel_err(out, out_ref) <= TOL_FP32 and rel_err(lse, lse_ref) <= TOL_FP32, \
@@ -206,8 +221,14 @@ def check_sinks():
         raise AssertionError(f"rank {RANK}: {H + 1} sinks for {H} heads were accepted")
     except dattn.InvalidArgumentError as e:
         assert "sinks" in str(e), f"rank {RANK}: {e}"
+    try:
+        dattn.attention(qs.detach(), ks.detach(), vs.detach(), layout="zigzag", softcap=-1.0)
+        raise AssertionError(f"rank {RANK}: softcap -1 was accepted")
+    except dattn.InvalidArgumentError as e:
+        assert "softcap" in str(e), f"rank {RANK}: {e}"
     if RANK == 0:
-        print(f"test_gradients: sinks (ring, ulysses, hybrid, local, decode) within {TOL_FP32}")
+        print(f"test_gradients: sinks and softcap (ring, ulysses, hybrid, local, decode) within "
+              f"{TOL_FP32}")
 
 
 def configurations():

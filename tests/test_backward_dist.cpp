@@ -277,7 +277,9 @@ TEST_P(Backward, MatchesReferenceAndByteModel) {
   for (const auto& [a, b, name] :
        {std::tuple{&grads.dq, &again.dq, "dq"}, std::tuple{&grads.dk, &again.dk, "dk"},
         std::tuple{&grads.dv, &again.dv, "dv"}, std::tuple{&grads.dsinks, &again.dsinks, "dsinks"}})
-    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs, " << where;
+    if (a->numel() > 0) {  // memcmp of null pointers (no sinks) is undefined, even of 0 bytes
+      EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs, " << where;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Backward, testing::ValuesIn(cases()),

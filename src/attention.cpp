@@ -71,6 +71,11 @@ void check_attention_call(Communicator& comm, const Tensor& q, const Tensor& k, 
     DATTN_CHECK_ARG(spec.mask.documents->back() == layout.global_seq(), "cu_seqlens back",
                     spec.mask.documents->back(),
                     detail::cat(layout.global_seq(), " (the layout's global_seq)"));
+  if (spec.mask.slices)
+    DATTN_CHECK_ARG(
+        spec.mask.extent() <= layout.global_seq(), "slices", spec.mask.str(),
+        detail::cat("slices inside the sequence (their largest end is ", spec.mask.extent(),
+                    ", the layout's global_seq ", layout.global_seq(), ")"));
   const int64_t local = layout.local_len(comm.rank());
   DATTN_CHECK_ARG(q.size(1) == local, "q seq", q.size(1),
                   detail::cat(local, " (this rank's length under ", layout.str(), ")"));

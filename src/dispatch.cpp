@@ -396,6 +396,9 @@ void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask&
 void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, int64_t batch,
                             int64_t q_rows) {
   if (device.is_cpu()) return;
+  DATTN_CHECK_ARG(!spec.mask.slices, "mask", spec.mask.str(),
+                  detail::cat("a band or document mask on ", device.str(),
+                              " (slice masks run on the CPU kernels only)"));
   cuda::check_attention_limits(dtype, spec.head_dim, spec.dim_v(), batch, spec.heads_q);
 #if DATTN_WITH_CUDA
   // The kernels' shared memory against this device's opt-in limit, which differs between GPUs
@@ -422,6 +425,9 @@ void check_attention_limits(Device device, DType dtype, const AttnSpec& spec, in
 void check_mla_limits(Device device, const Mask& mask, int64_t nlat, int64_t nrope, int64_t batch,
                       int64_t seq_q, int64_t qk_nope) {
   if (device.is_cpu()) return;
+  DATTN_CHECK_ARG(!mask.slices, "mask", mask.str(),
+                  detail::cat("a band or document mask on ", device.str(),
+                              " (slice masks run on the CPU kernels only)"));
   cuda::check_mla_limits(bool(mask.documents), mask.str(), nlat, nrope, batch, seq_q, qk_nope);
 }
 

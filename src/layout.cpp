@@ -7,6 +7,7 @@
 #include "collective/communicator.h"
 #include "kernels/movement/movement.h"
 #include "src/base/error.h"
+#include "src/models.h"
 
 namespace dattn {
 
@@ -104,6 +105,57 @@ Layout Layout::blocks(int64_t global_seq, int ranks, int64_t block) {
   return l;
 }
 
+Layout Layout::balanced(const Mask& mask, int64_t global_seq, int ranks, int64_t chunk) {
+  DATTN_CHECK_ARG(chunk >= 1, "chunk", chunk, ">= 1 token");
+  mask.validate();
+  Layout l(Kind::balanced, global_seq, ranks);
+  l.block_ = chunk;
+  const int64_t n = global_seq / chunk + (global_seq % chunk != 0);
+  DATTN_CHECK_ARG(n <= (int64_t(1) << 20), "chunk", chunk,
+                  detail::cat("at least global_seq / 2^20 (", global_seq,
+                              " tokens make more chunks than the dealing handles)"));
+  std::vector<Run> chunks(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c)
+    chunks[size_t(c)] = Run{0, c * chunk, 1, std::min(chunk, global_seq - c * chunk)};
+  std::vector<double> work(size_t(n), 0.0);
+  for (size_t c = 0; c < chunks.size(); ++c)
+    for (const Run& k : chunks)
+      work[c] += kernel_scores(chunks[c], k, mask);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c)
+    order[size_t(c)] = c;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work[size_t(a)] > work[size_t(b)]; });
+  // Every rank takes n / P chunks, and n % P of them one more.
+  const int64_t base = n / ranks;
+  int64_t extra = n % ranks;
+  std::vector<double> load(size_t(ranks), 0.0);
+  std::vector<int64_t> count(size_t(ranks), 0);
+  std::vector<std::vector<int64_t>> mine(static_cast<size_t>(ranks));
+  for (int64_t c : order) {
+    int best = -1;
+    for (int r = 0; r < ranks; ++r) {
+      const bool room = count[size_t(r)] < base || (count[size_t(r)] == base && extra > 0);
+      if (room && (best < 0 || load[size_t(r)] < load[size_t(best)])) best = r;
+    }
+    if (count[size_t(best)] == base) --extra;
+    ++count[size_t(best)];
+    load[size_t(best)] += work[size_t(c)];
+    mine[size_t(best)].push_back(c);
+  }
+  for (int r = 0; r < ranks; ++r) {
+    std::sort(mine[size_t(r)].begin(), mine[size_t(r)].end());
+    int64_t local = 0;
+    for (int64_t c : mine[size_t(r)]) {
+      Run run = chunks[size_t(c)];
+      run.local_begin = local;
+      local += run.length;
+      l.runs_[size_t(r)].push_back(run);
+    }
+  }
+  return l;
+}
+
 Layout Layout::make(const std::string& kind, int64_t global_seq, int ranks) {
   if (kind == "contiguous") return contiguous(global_seq, ranks);
   if (kind == "zigzag") return zigzag(global_seq, ranks);
@@ -123,6 +175,8 @@ const char* Layout::kind_name(Kind kind) {
       return "varlen";
     case Kind::blocks:
       return "blocks";
+    case Kind::balanced:
+      return "balanced";
   }
   return "?";
 }
@@ -277,8 +331,9 @@ Tensor Layout::undispatch(Communicator& comm, const Tensor& shard) const {
 std::string Layout::str() const {
   std::string extra = kind_ == Kind::striped || kind_ == Kind::blocks
                           ? detail::cat(", block=", block_, "")
-                      : documents_ ? detail::cat(", docs=", documents_->size() - 1)
-                                   : std::string();
+                      : kind_ == Kind::balanced ? detail::cat(", chunk=", block_)
+                      : documents_              ? detail::cat(", docs=", documents_->size() - 1)
+                                                : std::string();
   return detail::cat(kind_name(kind_), "(S=", global_seq_, ", P=", ranks_, extra, ")");
 }
 
@@ -293,6 +348,10 @@ uint64_t Layout::hash() const {
   if (documents_)
     for (int64_t e : *documents_)
       mix(uint64_t(e));
+  if (kind_ == Kind::balanced)  // which chunks each rank holds
+    for (const std::vector<Run>& runs : runs_)
+      for (const Run& run : runs)
+        mix(uint64_t(run.global_begin) + 1);
   return h;
 }
 

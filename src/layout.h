@@ -32,7 +32,14 @@ struct Run {
 
 class Layout {
  public:
-  enum class Kind : uint8_t { contiguous = 0, zigzag = 1, striped = 2, varlen = 3, blocks = 4 };
+  enum class Kind : uint8_t {
+    contiguous = 0,
+    zigzag = 1,
+    striped = 2,
+    varlen = 3,
+    blocks = 4,
+    balanced = 5
+  };
 
   Layout() = default;  // an empty layout (no tokens, one rank); assign a real one before use
 
@@ -55,7 +62,15 @@ class Layout {
   // Whole blocks of `block` tokens (the last may be partial), placed contiguously: rank r holds
   // blocks [r * nb / P, (r + 1) * nb / P) of the nb blocks. Star attention's layout.
   static Layout blocks(int64_t global_seq, int ranks, int64_t block);
-  int64_t block() const { return block_; }  // striped and blocks
+  // Chunks of `chunk` tokens (the last may be partial) dealt to ranks so that the most work any
+  // rank has under `mask` is least: each chunk's work is its kernel tiles against every chunk
+  // (kernel_scores, src/models.h), and the chunks go, the most work first, to the rank with the
+  // least so far among those that still have room (every rank gets floor or ceil of chunks / P).
+  // A rank holds its chunks in position order, one run each (runs are not merged: the kernel's
+  // tiles start at each run, so the work of a rank is the sum of its chunks'). For slice and
+  // document masks whose work is uneven along the sequence.
+  static Layout balanced(const Mask& mask, int64_t global_seq, int ranks, int64_t chunk);
+  int64_t block() const { return block_; }  // striped, blocks, balanced (the chunk)
   // The layout of a kind by name: "contiguous", "zigzag" or "striped" (blocks of one token);
   // throws dattn::Error.
   static Layout make(const std::string& kind, int64_t global_seq, int ranks);

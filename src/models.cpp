@@ -137,6 +137,84 @@ void last_key_before(const TileClass& q, const Mask& mask, Fn fn) {
   }
 }
 
+// visible_scores under a slice mask: per query tile, each slice's keys seen by the tile
+// (MaskSlice::keys_seen, an interval) meet a range of key tiles (their first and last positions
+// rise with the tile index: two binary searches); the union of those ranges is what
+// Mask::cover finds visible, tile by tile.
+Wide slice_visible_scores(const Run& qr, const Run& kr, const Mask& mask, int64_t tq, int64_t tk) {
+  const int64_t k_tiles = (kr.length + tk - 1) / tk;
+  auto first_pos = [&](int64_t t) { return kr.position(t * tk); };
+  auto last_pos = [&](int64_t t) { return kr.position(std::min((t + 1) * tk, kr.length) - 1); };
+  auto first_tile = [&](auto pos, int64_t x) {  // the first tile t with pos(t) >= x, or k_tiles
+    int64_t lo = 0, hi = k_tiles;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (pos(mid) >= x)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    return lo;
+  };
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // key tiles [a, b) that some slice shows
+  Wide scores = 0;
+  for (int64_t i0 = 0; i0 < qr.length; i0 += tq) {
+    const int64_t rows = std::min(tq, qr.length - i0);
+    const int64_t q_lo = qr.position(i0), q_hi = qr.position(i0 + rows - 1);
+    ranges.clear();
+    for (const MaskSlice& sl : *mask.slices) {
+      if (sl.q_begin > q_hi) break;  // sorted by q_begin
+      int64_t lo, hi;
+      if (!sl.keys_seen(q_lo, q_hi, kr.global_begin, kr.last_position(), &lo, &hi)) continue;
+      const int64_t a = first_tile(last_pos, lo), b = first_tile(first_pos, hi + 1);
+      if (a < b) ranges.emplace_back(a, b);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    int64_t done = 0;  // key tiles before it are counted
+    Wide keys = 0;
+    for (auto [a, b] : ranges) {
+      a = std::max(a, done);
+      if (a >= b) continue;
+      keys += std::min(b * tk, kr.length) - a * tk;
+      done = b;
+    }
+    scores += keys * rows;
+  }
+  return scores;
+}
+
+// The (query, key) pairs a slice shows among queries [0, nq) and keys [0, nk): the keys of query
+// q run from L(q) to U(q), each rising by 0 or 1 per query, so the row counts are linear on the
+// two pieces either side of where U(q) reaches nk - 1 and their sums are arithmetic series.
+Wide slice_pairs(const MaskSlice& sl, int64_t nq, int64_t nk) {
+  if (sl.empty()) return 0;
+  const int64_t a = sl.q_begin, b = std::min(sl.q_end, nq) - 1, kc = std::min(sl.k_end, nk) - 1;
+  if (a > b || kc < sl.k_begin) return 0;
+  // Sum over q in [x, y] of max(0, c + s (q - x)), s in {-1, 0, 1}.
+  auto series = [](Wide x, Wide y, Wide c, int s) -> Wide {
+    if (y < x) return 0;
+    const Wide n = y - x + 1;
+    auto range = [](Wide lo, Wide hi) { return hi < lo ? Wide(0) : (lo + hi) * (hi - lo + 1) / 2; };
+    if (s == 0) return c > 0 ? n * c : 0;
+    if (s > 0) return range(std::max<Wide>(c, 1), c + n - 1);
+    return range(std::max<Wide>(c - n + 1, 1), c);
+  };
+  const int up = sl.upper() ? 1 : 0, low = sl.lower() ? 1 : 0;
+  auto L = [&](Wide q) { return low ? q - sl.q_begin + sl.k_begin : Wide(sl.k_begin); };
+  auto U = [&](Wide q) { return up ? q - sl.q_end + sl.k_end : Wide(sl.k_end - 1); };
+  // Up to q1 the rows end at U(q) <= kc, after it at kc.
+  Wide q1;
+  if (up)
+    q1 = std::min<Wide>(b, Wide(kc) + sl.q_end - sl.k_end);
+  else
+    q1 = sl.k_end - 1 <= kc ? Wide(b) : Wide(a) - 1;
+  Wide n = 0;
+  if (q1 >= a) n += series(a, q1, U(a) - L(a) + 1, up - low);
+  const Wide from = std::max<Wide>(q1 + 1, a);
+  n += series(from, b, Wide(kc) - L(from) + 1, -low);
+  return n;
+}
+
 // The scores (query, key pairs) in the tq x tk tiles of a query run and a key run that the mask
 // does not hide entirely (Mask::cover on the tiles' first and last positions): the work the CPU
 // kernel does for them. A tile pair is visible when the key tile's first position is at most the
@@ -153,6 +231,7 @@ Wide visible_scores(const Run& qr, const Run& kr, const Mask& mask, int64_t tq, 
     case Mask::Cover::some:
       break;
   }
+  if (mask.slices) return slice_visible_scores(qr, kr, mask, tq, tk);
   tile_classes(qr, tq, qc);
   tile_classes(kr, tk, kc);
   Wide scores = 0;
@@ -192,6 +271,13 @@ std::vector<int> ring_hops(const Layout& layout, const Mask& mask) {
       if (run.length == 0) continue;
       const int64_t lo = run.global_begin, hi = run.last_position();
       queries.push_back({lo, hi, r});
+      if (mask.slices) {  // the queries that see the run, slice by slice
+        for (const MaskSlice& sl : *mask.slices) {
+          int64_t a, b;
+          if (sl.queries_seeing(lo, hi, &a, &b)) seers.push_back({a, b, r});
+        }
+        continue;
+      }
       int64_t a = mask.right < 0 ? 0 : std::max<int64_t>(0, lo - mask.right);
       int64_t b = mask.left < 0 || mask.left > kMax - hi ? kMax : hi + mask.left;
       if (mask.documents) {
@@ -297,6 +383,12 @@ double attention_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSp
              double(spec.head_dim + spec.dim_v());
   if (spec.mask.is_none()) return f;
   if (spec.mask.is_causal()) return f / 2;  // the usual model (exact: (S + 1) / 2S)
+  if (spec.mask.slices) {                   // slices do not overlap: their pairs add up
+    Wide pairs = 0;
+    for (const MaskSlice& sl : *spec.mask.slices)
+      pairs += slice_pairs(sl, seq_q, seq_k);
+    return f / (double(seq_q) * double(seq_k)) * double(pairs);
+  }
   // Other masks: count the visible (query, key) pairs of positions 0.. on both sides (tiles of
   // one position), queries and keys past the last document boundary seeing nothing.
   int64_t nq = seq_q, nk = seq_k;
@@ -404,6 +496,11 @@ uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const Att
     bytes = add(bytes, ring_send_bytes(layout.grouped(U), sub, batch, dtype, rank / U),
                 "attention send bytes");
   return bytes;
+}
+
+double kernel_scores(const Run& q_run, const Run& k_run, const Mask& mask) {
+  std::vector<TileClass> qc, kc;
+  return double(visible_scores(q_run, k_run, mask, cpu::kTileQ, cpu::kTileK, qc, kc));
 }
 
 double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnSpec& spec,

@@ -47,6 +47,11 @@ uint64_t attention_send_bytes(Strategy strategy, const Layout& layout, const Att
 double attention_rank_flops(Strategy strategy, const Layout& layout, const AttnSpec& spec,
                             int64_t batch, int ulysses, int rank);
 
+// The (query, key) scores of the kTileQ x kTileK kernel tiles of q_run against k_run that the
+// mask does not hide entirely: one kernel call's work, which attention_rank_flops sums over a
+// rank's run pairs (and Layout::balanced over a chunk's).
+double kernel_scores(const Run& q_run, const Run& k_run, const Mask& mask);
+
 // Bytes `rank` sends in ring attention backward (src/strategies/ring_backward.cpp): the forward's
 // K/V hops, plus a block's dK|dV accumulator (fp32, H_kv * (D + D_v) per token) on each of those
 // hops, plus the finished accumulator from the block's last holder straight to its owner.

@@ -24,8 +24,8 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
     DATTN_CHECK_ARG(layout.ranks() == P, "layout ranks", layout.ranks(), P);
     DATTN_CHECK_ARG(anchor >= -1 && anchor <= layout.block(), "anchor", anchor,
                     detail::cat("0 to the block size (", layout.block(), "), or -1 for the block"));
-    DATTN_CHECK_ARG(!spec.mask.documents, "mask", spec.mask.str(),
-                    "a band mask (documents are not supported by star attention)");
+    DATTN_CHECK_ARG(!spec.mask.documents && !spec.mask.slices, "mask", spec.mask.str(),
+                    "a band mask (documents and slices are not supported by star attention)");
     DATTN_CHECK_ARG(q.size(1) == layout.local_len(me) && k.size(1) == q.size(1), "q seq", q.size(1),
                     detail::cat(layout.local_len(me), " (this rank's blocks)"));
     if (rt.check_finite()) {

@@ -1,7 +1,7 @@
 // Single-process tests of the masks beyond none/causal (sliding windows, documents, empty ones
-// among them): Mask::cover and Mask::visible against brute force, validation, str/hash, the FLOP
-// model, and the CPU kernel (attention_local, attention_forward, block-strided positions) against
-// the float64 references.
+// among them, slice masks): Mask::cover and Mask::visible against brute force, validation,
+// str/hash, the FLOP model, and the CPU kernel (attention_local, attention_forward, block-strided
+// positions) against the float64 references.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -62,6 +62,18 @@ std::vector<Mask> masks_for(int64_t S) {
   ms.push_back(Mask::document(empty, true));
   ms.push_back(Mask::document(empty, false));
   ms.push_back(banded_documents(empty, 2, 1));
+  // Slice masks: one slice of each kind (bi_causal with fewer keys than queries is empty), the
+  // shared-prefix mask, and random lists.
+  for (int kind = 0; kind < 4; ++kind) {
+    ms.push_back(Mask::from_slices({{2, S - 3, 1, S - 1, MaskSlice::Kind(kind)}}));
+    ms.push_back(Mask::from_slices({{1, S / 2, S / 3, S, MaskSlice::Kind(kind)},
+                                    {S / 2, S, 0, S / 2 + 2, MaskSlice::Kind(3 - kind)}}));
+  }
+  ms.push_back(Mask::from_slices({{0, S, S / 2, S / 2 + 3, MaskSlice::Kind::bi_causal}}));
+  ms.push_back(test::shared_prefix_mask(S / 4, {S / 4, S / 4 + 1, S / 2, S / 2, S}));
+  std::mt19937_64 rng{uint64_t(S)};
+  for (int i = 0; i < 6; ++i)
+    ms.push_back(test::random_slices(rng, S));
   return ms;
 }
 
@@ -77,6 +89,25 @@ int64_t document_by_scan(const Mask& m, int64_t pos) {
   return d;
 }
 bool visible_by_definition(const Mask& m, int64_t q, int64_t k) {
+  if (m.slices) {  // in a slice's rectangle, and inside its kind's diagonals
+    for (const MaskSlice& sl : *m.slices) {
+      if (q < sl.q_begin || q >= sl.q_end || k < sl.k_begin || k >= sl.k_end) continue;
+      const int64_t i = q - sl.q_begin, j = k - sl.k_begin;  // offsets in the rectangle
+      const int64_t excess = (sl.k_end - sl.k_begin) - (sl.q_end - sl.q_begin);
+      const bool below = j <= i + excess, above = j >= i;  // bottom-right, top-left diagonals
+      switch (sl.kind) {
+        case MaskSlice::Kind::full:
+          return true;
+        case MaskSlice::Kind::causal:
+          return below;
+        case MaskSlice::Kind::inv_causal:
+          return above;
+        case MaskSlice::Kind::bi_causal:
+          return below && above;
+      }
+    }
+    return false;
+  }
   if (m.left >= 0 && k < q - m.left) return false;
   if (m.right >= 0 && k > q + m.right) return false;
   return document_by_scan(m, q) == document_by_scan(m, k);
@@ -166,6 +197,8 @@ testing::AssertionResult cover_is_sound(const Mask& m, int64_t q_lo, int64_t q_h
     return testing::AssertionFailure() << "cover = none but a pair is visible";
   if (any_hidden && c == Mask::Cover::all)
     return testing::AssertionFailure() << "cover = all but a pair is hidden";
+  if (m.slices && !any_visible && c != Mask::Cover::none)  // exact for slices: keys_seen
+    return testing::AssertionFailure() << "cover != none but no pair is visible";
   return testing::AssertionSuccess();
 }
 
@@ -207,6 +240,44 @@ TEST(MaskCover, RandomBlocks) {
   EXPECT_EQ(Mask::document({0, 10, 20}, false).cover(10, 19, 12, 15), Mask::Cover::all);
 }
 
+// keys_seen and queries_seeing, the intervals cover() and the ring's models rest on, against
+// the pairs of one slice counted one by one.
+TEST(MaskSlices, SeenIntervalsMatchBruteForce) {
+  const int64_t S = 19;
+  for (int kind = 0; kind < 4; ++kind) {
+    for (const MaskSlice sl : {MaskSlice{2, 13, 3, 17, MaskSlice::Kind(kind)},
+                               MaskSlice{4, 9, 0, 19, MaskSlice::Kind(kind)},
+                               MaskSlice{0, 12, 5, 9, MaskSlice::Kind(kind)},
+                               MaskSlice{6, 6, 0, 8, MaskSlice::Kind(kind)}}) {
+      SCOPED_TRACE(testing::Message()
+                   << "slice q " << sl.q_begin << ":" << sl.q_end << " k " << sl.k_begin << ":"
+                   << sl.k_end << " " << MaskSlice::kind_name(sl.kind));
+      const Mask m = Mask::from_slices({sl});
+      for (int64_t a = 0; a < S; ++a)
+        for (int64_t b = a; b < S; ++b) {
+          // Keys seen by queries [a, b] within keys [3, 15], and queries that see keys [a, b].
+          int64_t klo = S, khi = -1, qlo = S, qhi = -1;
+          for (int64_t q = 0; q < S; ++q)
+            for (int64_t k = 0; k < S; ++k) {
+              if (!visible_by_definition(m, q, k)) continue;
+              if (q >= a && q <= b && k >= 3 && k <= 15)
+                klo = std::min(klo, k), khi = std::max(khi, k);
+              if (k >= a && k <= b) qlo = std::min(qlo, q), qhi = std::max(qhi, q);
+            }
+          int64_t lo = -7, hi = -7;
+          ASSERT_EQ(sl.keys_seen(a, b, 3, 15, &lo, &hi), khi >= 0) << "queries " << a << ":" << b;
+          if (khi >= 0) {
+            ASSERT_EQ(std::make_pair(lo, hi), std::make_pair(klo, khi));
+          }
+          ASSERT_EQ(sl.queries_seeing(a, b, &lo, &hi), qhi >= 0) << "keys " << a << ":" << b;
+          if (qhi >= 0) {
+            ASSERT_EQ(std::make_pair(lo, hi), std::make_pair(qlo, qhi));
+          }
+        }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- validation
 
 TEST(MaskValidate, NamesTheBadField) {
@@ -235,6 +306,48 @@ TEST(MaskValidate, NamesTheBadField) {
   EXPECT_TRUE(throws_naming([&] { spec.validate(); }, {"window left"}));
   spec.mask = Mask::document({0, 4, 2}, true);
   EXPECT_TRUE(throws_naming([&] { spec.validate(); }, {"cu_seqlens"}));
+  // Slices: out of range, overlapping (also when only partly), a bad kind, with a band or
+  // documents; each error names the slice.
+  using K = MaskSlice::Kind;
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask::from_slices({{-1, 4, 0, 4, K::full}}).validate();
+      },
+      {"slice q range", "q -1:4"}));
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask::from_slices({{0, 4, 6, 5, K::causal}}).validate();
+      },
+      {"slice k range", "k 6:5", "causal"}));
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask::from_slices({{0, 4, 0, 4, K(7)}}).validate();
+      },
+      {"slice kind", "7"}));
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask::from_slices({{0, 8, 0, 8, K::causal}, {4, 6, 7, 9, K::full}}).validate();
+      },
+      {"slices", "q 0:8, k 0:8", "q 4:6, k 7:9", "do not overlap"}));
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask::from_slices({{5, 9, 0, 3, K::full}, {0, 20, 2, 4, K::inv_causal}}).validate();
+      },
+      {"slices", "q 0:20, k 2:4", "q 5:9, k 0:3"}));
+  EXPECT_TRUE(throws_naming(
+      [] {
+        Mask m = Mask::from_slices({{0, 4, 0, 4, K::full}});
+        m.right = 0;
+        m.validate();
+      },
+      {"mask", "slices alone"}));
+  // Touching rectangles and empty ones inside others do not overlap.
+  EXPECT_NO_THROW(Mask::from_slices({{0, 4, 0, 4, K::causal},
+                                     {0, 4, 4, 8, K::full},
+                                     {4, 8, 0, 8, K::bi_causal},
+                                     {2, 2, 0, 8, K::full},
+                                     {1, 3, 5, 5, K::full}})
+                      .validate());
   // Valid masks pass.
   for (const Mask& m : masks_for(20))
     EXPECT_NO_THROW(m.validate()) << m.str();
@@ -272,6 +385,11 @@ TEST(MaskNames, StrAndHashDistinguishMasks) {
       Mask::document({0, 5, 9, 12}, false),
       Mask::document({0, 12}, true),
       banded_documents({0, 5, 9, 12}, 4, 0),
+      Mask::from_slices({{0, 12, 0, 12, MaskSlice::Kind::causal}}),
+      Mask::from_slices({{0, 12, 0, 12, MaskSlice::Kind::inv_causal}}),
+      Mask::from_slices({{0, 12, 0, 11, MaskSlice::Kind::causal}}),
+      Mask::from_slices(
+          {{0, 6, 0, 12, MaskSlice::Kind::full}, {6, 12, 0, 12, MaskSlice::Kind::full}}),
   };
   std::set<std::string> strs;
   std::set<uint64_t> hashes;
@@ -316,7 +434,7 @@ TEST(MaskFlops, WindowAndDocumentCountVisiblePairs) {
   };
   const std::vector<int64_t> cu = {0, 1, 17, 18, 40, 77};
   const std::vector<int64_t> empty = {0, 0, 1, 17, 17, 17, 18, 40, 77, 77};  // empty documents
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {Mask::window(0), 77, 77},
       {Mask::window(5), 77, 77},
       {Mask::window(5, 3), 77, 77},
@@ -333,7 +451,12 @@ TEST(MaskFlops, WindowAndDocumentCountVisiblePairs) {
       {Mask::document(empty, false), 77, 77},
       {banded_documents(empty, 4, 1), 77, 77},
       {Mask::document(empty, true), 50, 77},
+      {test::shared_prefix_mask(20, {20, 21, 45, 45, 77}), 77, 77},
+      {test::shared_prefix_mask(20, {20, 21, 45, 45, 77}), 50, 60},
   };
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 8; ++i)  // every kind, slices past Sq or Sk (the flops count 0 .. S - 1)
+    cases.push_back({test::random_slices(rng, 77), i % 2 ? 77 : 40, i % 3 ? 77 : 55});
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << c.mask.str() << " Sq=" << c.Sq << " Sk=" << c.Sk);
     spec.mask = c.mask;
@@ -361,6 +484,7 @@ std::ostream& operator<<(std::ostream& os, const MaskedCase& c) {
 std::vector<MaskedCase> masked_cases() {
   // Documents straddling the query tiles (256) and key tiles (512), 1-token documents included.
   const std::vector<int64_t> cu = {0, 1, 255, 258, 259, 511, 513, 600};
+  std::mt19937_64 rng(600);
   return {
       {"window64", Mask::window(64)},
       {"window300", Mask::window(300)},
@@ -377,6 +501,17 @@ std::vector<MaskedCase> masked_cases() {
       {"one_document_noncausal", Mask::document({0, 600}, false)},
       {"document_window", banded_documents(cu, 40, 3)},
       {"document_queries_at256", Mask::document(cu, true), 300, 600, 1, 1, 32, 256, 0},
+      {"slices_shared_prefix", test::shared_prefix_mask(100, {100, 101, 300, 520, 600})},
+      {"slices_shared_prefix_gqa2_queries_at300",
+       test::shared_prefix_mask(100, {100, 101, 300, 520, 600}), 300, 600, 2, 1, 32, 300, 0},
+      {"slices_random", test::random_slices(rng, 600)},
+      {"slices_random_gqa2", test::random_slices(rng, 600), 600, 600, 2, 1},
+      {"slices_random_keys_from_250", test::random_slices(rng, 900), 600, 600, 1, 1, 32, 100, 250},
+      {"slices_each_kind", Mask::from_slices({{0, 300, 0, 200, MaskSlice::Kind::full},
+                                              {0, 300, 200, 600, MaskSlice::Kind::causal},
+                                              {300, 600, 0, 400, MaskSlice::Kind::inv_causal},
+                                              {300, 600, 400, 600, MaskSlice::Kind::bi_causal},
+                                              {310, 590, 400, 400, MaskSlice::Kind::full}})},
   };
 }
 

@@ -34,6 +34,16 @@ double pairs_flops(int64_t batch, int64_t seq_q, int64_t seq_k, const AttnSpec& 
   if (spec.mask.is_none()) return f;
   if (spec.mask.is_causal()) return f / 2;
   double pairs = 0;
+  if (spec.mask.slices) {  // row i of a slice: keys from k_begin + i (lower) to k_end - 1 - its
+                           // distance from the last row (upper)
+    for (const MaskSlice& sl : *spec.mask.slices)
+      for (int64_t q = sl.q_begin; q < std::min(sl.q_end, seq_q); ++q) {
+        const int64_t lo = sl.k_begin + (sl.lower() ? q - sl.q_begin : 0);
+        const int64_t hi = std::min(sl.k_end - 1 - (sl.upper() ? sl.q_end - 1 - q : 0), seq_k - 1);
+        if (hi >= lo) pairs += double(hi - lo + 1);
+      }
+    return f / (double(seq_q) * double(seq_k)) * pairs;
+  }
   for (int64_t q = 0; q < seq_q; ++q) {
     int64_t lo = spec.mask.left < 0 ? 0 : std::max<int64_t>(0, q - spec.mask.left);
     int64_t hi = spec.mask.right < 0 ? seq_k - 1 : q + std::min(spec.mask.right, seq_k - 1 - q);
@@ -172,7 +182,7 @@ Problem random_problem(std::mt19937_64& rng) {
   if (rng() % 4 == 0) docs = random_documents(rng, std::max<int64_t>(S + int64_t(rng() % 3), 1));
   const int64_t windows[] = {-1,  0,   1,   5,    100,  255,
                              256, 300, 700, 1000, 5000, std::numeric_limits<int64_t>::max()};
-  switch (rng() % 6) {
+  switch (rng() % 7) {
     case 0:
       p.spec.mask = Mask::none();
       break;
@@ -188,10 +198,17 @@ Problem random_problem(std::mt19937_64& rng) {
     case 4:
       p.spec.mask = Mask::document(docs, rng() % 2 == 0);
       break;
-    default:  // a window inside documents
+    case 5:  // a window inside documents
       p.spec.mask = Mask::document(docs, false);
       p.spec.mask.left = windows[rng() % 12];
       p.spec.mask.right = windows[rng() % 12];
+      break;
+    default:
+      p.spec.mask = test::random_slices(rng, S);
+  }
+  if (rng() % 6 == 0) {  // chunks dealt by their work under the mask (at most 64 of them)
+    const int64_t chunks[] = {1, 64, 256, 300, 1000, 4096};
+    p.layout = Layout::balanced(p.spec.mask, S, P, std::max(chunks[rng() % 6], S / 64 + 1));
   }
   p.spec.heads_kv = int64_t(1) << (rng() % 3);
   p.spec.heads_q = p.spec.heads_kv * int64_t(1 + rng() % 3) * 8;
@@ -267,10 +284,14 @@ TEST(ClosedFormModels, EqualTheTileWalkOnLongRuns) {
       Mask::document(cu, true), Mask::document(cu, false), Mask::document(empty, true)};
   masks.push_back(Mask::document(cu, true));
   masks.back().left = 20000;
+  masks.push_back(test::shared_prefix_mask(7000, {7000, 7001, 70001, 150000, S}));
+  std::mt19937_64 rng(7);
+  masks.push_back(test::random_slices(rng, S));
   for (int P : {2, 3}) {
     for (const Layout& l :
          {Layout::zigzag(S, P), Layout::striped(S, P, 1), Layout::striped(S, P, 96),
-          Layout::striped(S, P, 1000), Layout::varlen(cu, P), Layout::blocks(S, P, 777)}) {
+          Layout::striped(S, P, 1000), Layout::varlen(cu, P), Layout::blocks(S, P, 777),
+          Layout::balanced(masks[masks.size() - 2], S, P, 4096)}) {
       for (const Mask& m : masks) {
         spec.mask = m;
         SCOPED_TRACE(l.str() + " " + m.str());

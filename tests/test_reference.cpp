@@ -1,6 +1,6 @@
-// Test support: seeded tensors, the independent float64 attention, the empty-document cases, and
-// the comparison of a partial against a reference, with the tolerances every test uses and why
-// they are what they are.
+// Test support: seeded tensors, the independent float64 attention, the empty-document cases, random
+// and shared-prefix slice masks, and the comparison of a partial against a reference, with the
+// tolerances every test uses and why they are what they are.
 #include "tests/test_reference.h"
 
 #include <algorithm>
@@ -285,6 +285,37 @@ testing::AssertionResult matches_reference(const float* out, const float* lse, i
                                            const Tolerance& tol, CompareStats* stats) {
   return matches_reference(
       out, lse, B, S, H, Dv, ref, S, [](int64_t s) { return s; }, tol, stats);
+}
+
+Mask random_slices(std::mt19937_64& rng, int64_t S) {
+  std::vector<MaskSlice> slices;
+  auto cuts = [&](int64_t n, int64_t count) {  // sorted cut points in [0, n], ends included
+    std::vector<int64_t> c = {0, n};
+    for (int64_t i = 0; i < count; ++i)
+      c.push_back(n > 0 ? int64_t(rng() % uint64_t(n + 1)) : 0);
+    std::sort(c.begin(), c.end());
+    return c;
+  };
+  const std::vector<int64_t> qc = cuts(S, int64_t(rng() % 5));
+  for (size_t i = 0; i + 1 < qc.size(); ++i) {
+    if (rng() % 6 == 0) continue;  // these queries see nothing
+    const std::vector<int64_t> kc = cuts(S, int64_t(rng() % 4));
+    for (size_t j = 0; j + 1 < kc.size(); ++j) {
+      if (rng() % 3 == 0) continue;
+      slices.push_back({qc[i], qc[i + 1], kc[j], kc[j + 1], MaskSlice::Kind(rng() % 4)});
+    }
+  }
+  if (rng() % 2 == 0) slices.push_back({S / 2, S / 2, 0, S, MaskSlice::Kind::full});  // no queries
+  return Mask::from_slices(std::move(slices));
+}
+
+Mask shared_prefix_mask(int64_t prefix, const std::vector<int64_t>& cu) {
+  std::vector<MaskSlice> slices = {{0, prefix, 0, prefix, MaskSlice::Kind::causal}};
+  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+    slices.push_back({cu[d], cu[d + 1], 0, prefix, MaskSlice::Kind::full});
+    slices.push_back({cu[d], cu[d + 1], cu[d], cu[d + 1], MaskSlice::Kind::causal});
+  }
+  return Mask::from_slices(std::move(slices));
 }
 
 }  // namespace dattn::test

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,17 @@ struct EmptyDocumentsCase {
   std::vector<int64_t> cu;
 };
 std::vector<EmptyDocumentsCase> empty_documents_cases(int64_t S);
+
+// ---------------------------------------------------------------- slice masks
+
+// A random slice mask over positions [0, S): the queries cut into random ranges, each range given
+// random disjoint key ranges of random kinds (so no two slices overlap), with empty slices (no
+// queries, no keys, bi_causal with fewer keys than queries) and query ranges with no slice (rows
+// that see nothing) among them.
+Mask random_slices(std::mt19937_64& rng, int64_t S);
+// MagiAttention's shared-prefix mask: a causal prefix [0, prefix), then documents cu (from prefix
+// to S) each seeing the whole prefix and itself causally.
+Mask shared_prefix_mask(int64_t prefix, const std::vector<int64_t>& cu);
 
 // ---------------------------------------------------------------- comparison
 

@@ -21,6 +21,7 @@
 #include "kernels/cpu/finite.h"
 #include "kernels/cpu/first_error.h"
 #include "kernels/cpu/tile_gemm.h"
+#include "kernels/cpu/tile_mask.h"
 #include "kernels/cpu/vec_math.h"
 #include "src/base/error.h"
 
@@ -68,8 +69,8 @@ struct Workspace {
   // the same of the raw bf16 rows on the bf16 GEMM path. Sized when first needed.
   std::vector<float> qs, dos, ks;
   std::vector<uint16_t> qs16, dos16, ks16;
-  std::vector<int64_t> kpos, kdoc;  // [kBwdTileK] key positions and documents of a masked tile
-  std::vector<char> empty;          // [kBwdTileQ] rows whose P is all zero in this tile pair
+  TileMask tile_mask;       // the mask on a partially masked tile pair
+  std::vector<char> empty;  // [kBwdTileQ] rows whose P is all zero in this tile pair
   // The bf16 GEMM path: P and dS of the pair as two bf16 terms each (vec_math.h's split_bf16),
   // made when a GEMM first needs them.
   std::vector<uint16_t> p_hi, p_lo, ds_hi, ds_lo;  // [kBwdTileQ, kBwdTileK]
@@ -82,8 +83,8 @@ struct Workspace {
   bool dirty = false;
   TileCheck q_check, dout_check, k_check;  // the last tiles scanned
 
-  Workspace(int64_t d, int64_t dv)
-      : kpos(size_t(kBwdTileK)), kdoc(size_t(kBwdTileK)), empty(size_t(kBwdTileQ)) {
+  Workspace(int64_t d, int64_t dv, const Mask& mask)
+      : tile_mask(mask, kBwdTileK), empty(size_t(kBwdTileQ)) {
     const int64_t sizes[] = {kBwdTileQ * d,        kBwdTileQ * dv,        kBwdTileK * d,
                              kBwdTileK * dv,       kBwdTileQ * kBwdTileK, kBwdTileQ * kBwdTileK,
                              kBwdTileQ * kBwdTileK};
@@ -325,14 +326,10 @@ struct Problem {
     // The softcap, as the forward applies it (after the checks above, which read the raw S).
     if (blk.softcap > 0.f) softcap_row(ws.p, bq * bk, blk.softcap, ws.t);
     if (partial) {
-      for (int64_t j = 0; j < bk; ++j) {
-        ws.kpos[size_t(j)] = k_pos(j0 + j);
-        ws.kdoc[size_t(j)] = blk.mask.document_of(ws.kpos[size_t(j)]);
-      }
+      const int64_t q_a = q_pos(i0), q_b = q_pos(i0 + bq - 1);
+      ws.tile_mask.prepare(std::min(q_a, q_b), std::max(q_a, q_b), bk,
+                           [&](int64_t j) { return k_pos(j0 + j); });
     }
-    auto hidden = [&](int64_t qp, int64_t qdoc, int64_t j) {
-      return !blk.mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc;
-    };
     bool any = false;
     for (int64_t i = 0; i < bq; ++i) {
       float* prow = ws.p + i * bk;
@@ -342,27 +339,14 @@ struct Problem {
         std::fill(prow, prow + bk, 0.f);
         continue;
       }
-      if (partial) {
-        const int64_t qp = q_pos(i0 + i), qdoc = blk.mask.document_of(qp);
-        bool visible = false;
-        for (int64_t j = 0; j < bk; ++j) {
-          if (hidden(qp, qdoc, j))
-            prow[j] = -INFINITY;
-          else
-            visible = true;
-        }
-        if (!visible) {
-          std::fill(prow, prow + bk, 0.f);
-          continue;
-        }
+      if (partial && !ws.tile_mask.hide(q_pos(i0 + i), prow, -INFINITY)) {
+        std::fill(prow, prow + bk, 0.f);
+        continue;
       }
       // P = exp(S - lse): S <= lse up to rounding, so no overflow; masked -inf gives exactly 0.
       (void)exp_shift_sum(prow, bk, l);
-      if (partial && !std::isfinite(l)) {  // lse NaN: exp(-inf - NaN) is NaN, not 0
-        const int64_t qp = q_pos(i0 + i), qdoc = blk.mask.document_of(qp);
-        for (int64_t j = 0; j < bk; ++j)
-          if (hidden(qp, qdoc, j)) prow[j] = 0.f;
-      }
+      if (partial && !std::isfinite(l))  // lse NaN: exp(-inf - NaN) is NaN, not 0
+        (void)ws.tile_mask.hide(q_pos(i0 + i), prow, 0.f);
       ws.empty[size_t(i)] = 0;
       any = true;
     }
@@ -578,7 +562,7 @@ void attention_backward(const AttentionBlock& blk, const void* dout, DType dout_
   std::vector<Workspace> workspaces;
   workspaces.reserve(size_t(threads));
   for (int t = 0; t < threads; ++t)
-    workspaces.emplace_back(D, Dv);
+    workspaces.emplace_back(D, Dv, blk.mask);
 
   // A tile GEMM that fails (oneDNN) must not throw out of an OpenMP thread.
   FirstError error;

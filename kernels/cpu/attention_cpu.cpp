@@ -27,6 +27,7 @@
 #include "kernels/cpu/finite.h"
 #include "kernels/cpu/first_error.h"
 #include "kernels/cpu/tile_gemm.h"
+#include "kernels/cpu/tile_mask.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/base/error.h"
@@ -39,23 +40,23 @@ namespace {
 // Per-thread tile buffers, allocated once per kernel call: O(tile), independent of S.
 struct Workspace {
   std::unique_ptr<float[], void (*)(void*)> mem{nullptr, std::free};
-  float* q = nullptr;               // [kTileQ, D]   converted queries (16-bit inputs only)
-  float* k = nullptr;               // [kTileK, D]   converted keys
-  float* v = nullptr;               // [kTileK, Dv]  converted values
-  float* s = nullptr;               // [kTileQ, kTileK] scores, then probabilities
-  float* o = nullptr;               // [kTileQ, Dv]  unnormalised output accumulator
-  float* o_saved = nullptr;         // [kTileQ, Dv]  o before a partially masked tile's O += P V
-  float* m = nullptr;               // [kTileQ]      running row max
-  float* l = nullptr;               // [kTileQ]      running row sum
-  uint16_t* p_hi = nullptr;         // [kTileQ, kTileK] bf16 P rounded (bf16 path)
-  uint16_t* p_lo = nullptr;         // [kTileQ, kTileK] bf16 P - P_hi rounded (bf16 path)
-  std::vector<int64_t> kpos, kdoc;  // [kTileK] key positions and documents of a masked tile
-  std::vector<int64_t> bad;         // rows of V holding NaN or inf (add_pv_sanitised)
+  float* q = nullptr;        // [kTileQ, D]   converted queries (16-bit inputs only)
+  float* k = nullptr;        // [kTileK, D]   converted keys
+  float* v = nullptr;        // [kTileK, Dv]  converted values
+  float* s = nullptr;        // [kTileQ, kTileK] scores, then probabilities
+  float* o = nullptr;        // [kTileQ, Dv]  unnormalised output accumulator
+  float* o_saved = nullptr;  // [kTileQ, Dv]  o before a partially masked tile's O += P V
+  float* m = nullptr;        // [kTileQ]      running row max
+  float* l = nullptr;        // [kTileQ]      running row sum
+  uint16_t* p_hi = nullptr;  // [kTileQ, kTileK] bf16 P rounded (bf16 path)
+  uint16_t* p_lo = nullptr;  // [kTileQ, kTileK] bf16 P - P_hi rounded (bf16 path)
+  TileMask tile_mask;        // the mask on a partially masked tile
+  std::vector<int64_t> bad;  // rows of V holding NaN or inf (add_pv_sanitised)
   // V with those rows zeroed (rare), at V's own leading dimension (the GEMM kernels' blocking,
   // and so the bits of the clean rows, depend on it). Sized when first needed.
   std::vector<char> vs;
 
-  Workspace(int64_t d, int64_t dv) : kpos(size_t(kTileK)), kdoc(size_t(kTileK)) {
+  Workspace(int64_t d, int64_t dv, const Mask& mask) : tile_mask(mask, kTileK) {
     // In floats (p_hi and p_lo take half a float an element), each piece 64-byte aligned.
     const int64_t sizes[] = {kTileQ * d,          kTileK * d,         kTileK * dv, kTileQ * kTileK,
                              kTileQ * dv,         kTileQ * dv,        kTileQ,      kTileQ,
@@ -229,7 +230,7 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   std::vector<Workspace> workspaces;
   workspaces.reserve(size_t(omp_get_max_threads()));
   for (int t = 0; t < omp_get_max_threads(); ++t)
-    workspaces.emplace_back(D, Dv);
+    workspaces.emplace_back(D, Dv, mask);
 
   // One (batch, head, query tile): its online softmax over the key tiles, then its merge.
   auto run_tile = [&](Workspace& ws, int64_t b, int64_t h, int64_t qt) {
@@ -276,23 +277,14 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
       // S = scale * Q K^T  [bq, bk]
       tile_gemm(tiles.path, tiles.op, bq, bk, D, blk.scale, Q, {K.ptr, K.ld, true}, false, ws.s,
                 bk);
-      if (cover == Mask::Cover::some) {  // the tile's key positions and documents, once
-        for (int64_t j = 0; j < bk; ++j) {
-          ws.kpos[size_t(j)] = k_pos(j0 + j);
-          ws.kdoc[size_t(j)] = mask.document_of(ws.kpos[size_t(j)]);
-        }
-      }
+      if (cover == Mask::Cover::some)  // the tile's key positions and documents, once
+        ws.tile_mask.prepare(qlo, qhi, bk, [&](int64_t j) { return k_pos(j0 + j); });
       bool any_row = false;
       for (int64_t i = 0; i < bq; ++i) {
         float* srow = ws.s + i * bk;
         // The softcap row by row, while the row is in L1 for the max and exp that follow.
         if (blk.softcap > 0.f) softcap_row(srow, bk, blk.softcap);
-        if (cover == Mask::Cover::some) {
-          const int64_t qp = q_pos(i0 + i), qdoc = mask.document_of(qp);
-          for (int64_t j = 0; j < bk; ++j)
-            if (!mask.in_band(qp, ws.kpos[size_t(j)]) || ws.kdoc[size_t(j)] != qdoc)
-              srow[j] = -INFINITY;
-        }
+        if (cover == Mask::Cover::some) (void)ws.tile_mask.hide(q_pos(i0 + i), srow, -INFINITY);
         const float m_new = std::max(ws.m[i], row_max(srow, bk));
         if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
           // ... unless its scores are NaN (NaN or inf in its q or in a key it sees: hidden

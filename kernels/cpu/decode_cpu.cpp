@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels/cpu/finite.h"
+#include "kernels/cpu/tile_mask.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/merge.h"
 #include "src/base/error.h"
@@ -441,7 +442,7 @@ void gemm_ab(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* 
 struct Workspace {
   std::vector<float> s, m, l, vbuf, qperm;
   std::vector<float> wide;  // a GEMM chunk's rows widened (16-bit storage)
-  std::vector<int64_t> kpos, kdoc, qdoc;
+  TileMask tile_mask;       // the mask on a partially masked chunk of keys
   explicit Workspace(const DecodeJob& p)
       : s(size_t(p.heads_kv * p.rows * kGemmChunk)),
         m(size_t(p.heads_kv * p.rows)),
@@ -451,9 +452,7 @@ struct Workspace {
         wide(p.rows >= kGemmRows && p.dtype != DType::f32
                  ? size_t(kGemmChunk * std::max({p.d1, p.d2, p.dv}))
                  : 0),
-        kpos(size_t(kGemmChunk)),
-        kdoc(size_t(kGemmChunk)),
-        qdoc(size_t(p.rows)) {}
+        tile_mask(p.mask, kGemmChunk) {}
 };
 
 // n rows of d values, `stride` elements apart, as an fp32 matrix with leading dimension *ld: the
@@ -568,19 +567,9 @@ DATTN_DECODE_INLINE void run_split(const DecodeJob& p, int64_t j_begin, int64_t 
       }
     }
     if (partial) {  // hide what the mask hides, on global positions
-      for (int64_t jj = 0; jj < n; ++jj) {
-        ws.kpos[size_t(jj)] = k_pos(c0 + jj);
-        ws.kdoc[size_t(jj)] = mask.document_of(ws.kpos[size_t(jj)]);
-      }
-      for (int64_t r = 0; r < R; ++r)
-        ws.qdoc[size_t(r)] = mask.document_of(p.q_pos[r]);
-      for (int64_t t = 0; t < HR; ++t) {
-        const int64_t r = t % R, qp = p.q_pos[r], qd = ws.qdoc[size_t(r)];
-        float* srow = s + t * lds;
-        for (int64_t jj = 0; jj < n; ++jj)
-          if (!mask.in_band(qp, ws.kpos[size_t(jj)]) || ws.kdoc[size_t(jj)] != qd)
-            srow[jj] = -INFINITY;
-      }
+      ws.tile_mask.prepare(qlo, qhi, n, [&](int64_t jj) { return k_pos(c0 + jj); });
+      for (int64_t t = 0; t < HR; ++t)
+        (void)ws.tile_mask.hide(p.q_pos[t % R], s + t * lds, -INFINITY);
     }
 
     // The online-softmax update of each row; P replaces the scores.

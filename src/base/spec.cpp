@@ -1,6 +1,7 @@
 // AttnSpec validation and printing.
 #include "src/base/spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -52,14 +53,57 @@ Mask Mask::document(std::vector<int64_t> cu_seqlens, bool causal) {
   return m;
 }
 
+Mask Mask::from_slices(std::vector<MaskSlice> slices) {
+  std::sort(slices.begin(), slices.end(), [](const MaskSlice& a, const MaskSlice& b) {
+    return a.q_begin != b.q_begin ? a.q_begin < b.q_begin : a.k_begin < b.k_begin;
+  });
+  Mask m;
+  m.slices = std::make_shared<const std::vector<MaskSlice>>(std::move(slices));
+  return m;
+}
+
+const char* MaskSlice::kind_name(Kind kind) {
+  switch (kind) {
+    case Kind::full:
+      return "full";
+    case Kind::causal:
+      return "causal";
+    case Kind::inv_causal:
+      return "inv_causal";
+    case Kind::bi_causal:
+      return "bi_causal";
+  }
+  return "?";
+}
+
 bool Mask::operator==(const Mask& o) const {
-  if (left != o.left || right != o.right || bool(documents) != bool(o.documents)) return false;
-  return !documents || *documents == *o.documents;
+  if (left != o.left || right != o.right || bool(documents) != bool(o.documents) ||
+      bool(slices) != bool(o.slices))
+    return false;
+  return (!documents || *documents == *o.documents) && (!slices || *slices == *o.slices);
+}
+
+int64_t Mask::extent() const {
+  int64_t e = documents ? documents->back() : 0;
+  if (slices)
+    for (const MaskSlice& sl : *slices)
+      e = std::max({e, sl.q_end, sl.k_end});
+  return e;
 }
 
 std::string Mask::str() const {
   if (is_none()) return "none";
   if (is_causal()) return "causal";
+  if (slices) {  // a few slices in full, many by their count
+    std::string out = detail::cat("slices(", slices->size());
+    if (slices->size() <= 4)
+      for (size_t i = 0; i < slices->size(); ++i) {
+        const MaskSlice& sl = (*slices)[i];
+        out += detail::cat(i == 0 ? ": " : ", ", "[", sl.q_begin, ",", sl.q_end, ")x[", sl.k_begin,
+                           ",", sl.k_end, ") ", MaskSlice::kind_name(sl.kind));
+      }
+    return out + ")";
+  }
   std::string band = left < 0 && right < 0    ? ""
                      : left < 0 && right == 0 ? "causal"
                                               : detail::cat("window(", left, ",", right, ")");
@@ -79,12 +123,19 @@ uint64_t Mask::hash() const {
   if (documents)
     for (int64_t e : *documents)
       mix(uint64_t(e));
+  if (slices) {
+    mix(slices->size() + 1);
+    for (const MaskSlice& sl : *slices)
+      for (int64_t x : {sl.q_begin, sl.q_end, sl.k_begin, sl.k_end, int64_t(sl.kind)})
+        mix(uint64_t(x));
+  }
   return h;
 }
 
 void Mask::validate() const {
   DATTN_CHECK_ARG(left >= -1, "window left", left, ">= 0 (or -1: unlimited)");
   DATTN_CHECK_ARG(right >= -1, "window right", right, ">= 0 (or -1: unlimited)");
+  if (slices) validate_slices();
   if (!documents) return;
   const auto& cu = *documents;
   DATTN_CHECK_ARG(cu.size() >= 2, "cu_seqlens size", cu.size(),
@@ -99,6 +150,35 @@ void Mask::validate() const {
     DATTN_CHECK_ARG(cu[i] >= cu[i - 1], detail::cat("cu_seqlens[", i, "]"), cu[i],
                     detail::cat(">= cu_seqlens[", i - 1, "] = ", cu[i - 1],
                                 " (non-decreasing; a repeated entry is an empty document)"));
+}
+
+void Mask::validate_slices() const {
+  DATTN_CHECK_ARG(left < 0 && right < 0 && !documents, "mask", str(),
+                  "slices alone (a slice mask takes no window or documents: slices express them)");
+  const std::vector<MaskSlice>& sl = *slices;
+  auto name = [&](size_t i) {
+    return detail::cat("slice (q ", sl[i].q_begin, ":", sl[i].q_end, ", k ", sl[i].k_begin, ":",
+                       sl[i].k_end, ", ", MaskSlice::kind_name(sl[i].kind), ")");
+  };
+  for (size_t i = 0; i < sl.size(); ++i) {
+    DATTN_CHECK_ARG(sl[i].q_begin >= 0 && sl[i].q_begin <= sl[i].q_end, "slice q range", name(i),
+                    "0 <= q_begin <= q_end");
+    DATTN_CHECK_ARG(sl[i].k_begin >= 0 && sl[i].k_begin <= sl[i].k_end, "slice k range", name(i),
+                    "0 <= k_begin <= k_end");
+    DATTN_CHECK_ARG(int(sl[i].kind) <= int(MaskSlice::Kind::bi_causal), "slice kind",
+                    int(sl[i].kind), "full, causal, inv_causal or bi_causal");
+  }
+  // No two rectangles share a (query, key) pair (zero-area ones hold none). Sorted by q_begin, the
+  // slices a slice can meet follow it until one starts at or after its q_end.
+  for (size_t i = 0; i < sl.size(); ++i) {
+    if (sl[i].q_end == sl[i].q_begin || sl[i].k_end == sl[i].k_begin) continue;
+    for (size_t j = i + 1; j < sl.size() && sl[j].q_begin < sl[i].q_end; ++j) {
+      const bool meet = sl[j].q_end > sl[j].q_begin && sl[j].k_end > sl[j].k_begin &&
+                        sl[j].k_begin < sl[i].k_end && sl[i].k_begin < sl[j].k_end;
+      DATTN_CHECK_ARG(!meet, "slices", detail::cat(name(i), " and ", name(j)),
+                      "slices that do not overlap (each (query, key) pair in one slice at most)");
+    }
+  }
 }
 
 std::string AttnSpec::str() const {

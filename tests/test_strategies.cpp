@@ -1,6 +1,7 @@
 // Multi-rank tests (1-4 ranks) of every strategy (ring, ulysses, hybrid with U = 1, 2, P) under
 // every layout and mask: each rank's out and lse against the float64 reference on the global
-// tensors, and the bytes sent (point-to-point plus all-to-all) against the byte model; and
+// tensors, and the bytes sent (point-to-point plus all-to-all) against the byte model (slice
+// masks, random and shared-prefix, and the balanced layout among them); and
 // document masks with empty documents against the same calls without them.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <iterator>
 #include <map>
+#include <random>
 #include <memory>
 #include <string>
 #include <utility>
@@ -63,7 +65,7 @@ int runtime_ulysses(Schedule s, int P) {
   }
 }
 
-enum class LayoutKind { contiguous, zigzag, striped1, striped3, varlen };
+enum class LayoutKind { contiguous, zigzag, striped1, striped3, varlen, balanced };
 const char* layout_name(LayoutKind k) {
   switch (k) {
     case LayoutKind::contiguous:
@@ -76,11 +78,22 @@ const char* layout_name(LayoutKind k) {
       return "striped3";
     case LayoutKind::varlen:
       return "varlen";
+    case LayoutKind::balanced:
+      return "balanced5";
   }
   return "?";
 }
 
-enum class MaskKind { none, causal, window, window_right, document_causal, document };
+enum class MaskKind {
+  none,
+  causal,
+  window,
+  window_right,
+  document_causal,
+  document,
+  slices,
+  shared_prefix
+};
 const char* mask_name(MaskKind m) {
   switch (m) {
     case MaskKind::none:
@@ -95,6 +108,10 @@ const char* mask_name(MaskKind m) {
       return "doc_causal";
     case MaskKind::document:
       return "doc";
+    case MaskKind::slices:
+      return "slices";
+    case MaskKind::shared_prefix:
+      return "shared_prefix";
   }
   return "?";
 }
@@ -149,11 +166,18 @@ std::vector<StrategyCase> strategy_cases() {
   for (int p = 0; p < int(std::size(kProblems)); ++p)
     for (Schedule s : {Schedule::ring, Schedule::ulysses, Schedule::hybrid_u1, Schedule::hybrid_u2,
                        Schedule::hybrid_all})
+    {
       for (LayoutKind l : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped1,
                            LayoutKind::striped3, LayoutKind::varlen})
         for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window,
-                           MaskKind::window_right, MaskKind::document_causal, MaskKind::document})
+                           MaskKind::window_right, MaskKind::document_causal, MaskKind::document,
+                           MaskKind::slices, MaskKind::shared_prefix})
           cs.push_back({s, l, m, p});
+      // The balanced layout under the masks whose work is uneven along the sequence.
+      for (MaskKind m :
+           {MaskKind::causal, MaskKind::document_causal, MaskKind::slices, MaskKind::shared_prefix})
+        cs.push_back({s, LayoutKind::balanced, m, p});
+    }
   return cs;
 }
 
@@ -171,11 +195,19 @@ Mask make_mask(MaskKind m, const Problem& pb) {
       return Mask::document(pb.cu_seqlens, true);
     case MaskKind::document:
       return Mask::document(pb.cu_seqlens, false);
+    case MaskKind::slices: {  // random slices (test::random_slices), the same on every rank
+      std::mt19937_64 rng(uint64_t(pb.S) * 7 + 1);
+      return test::random_slices(rng, pb.S);
+    }
+    case MaskKind::shared_prefix: {  // a prefix of S / 4, a 1-token document, two more
+      const int64_t a = pb.S / 4;
+      return test::shared_prefix_mask(a, {a, a + 1, (a + 1 + pb.S) / 2, pb.S});
+    }
   }
   return Mask::none();
 }
 
-Layout make_layout(LayoutKind k, const Problem& pb, int P) {
+Layout make_layout(LayoutKind k, const Problem& pb, int P, const Mask& mask) {
   switch (k) {
     case LayoutKind::contiguous:
       return Layout::contiguous(pb.S, P);
@@ -187,6 +219,8 @@ Layout make_layout(LayoutKind k, const Problem& pb, int P) {
       return Layout::striped(pb.S, P, 3);
     case LayoutKind::varlen:
       return Layout::varlen(pb.cu_seqlens, P);
+    case LayoutKind::balanced:  // chunks of 5: a partial last one, and ranks with no chunk at S = 7
+      return Layout::balanced(mask, pb.S, P, 5);
   }
   return Layout();
 }
@@ -263,8 +297,8 @@ TEST_P(StrategyAttention, MatchesReferenceAndByteModel) {
   ASSERT_EQ(rt.ulysses_degree(), U);
   const int me = rt.cp_rank();
   const Strategy strategy = strategy_of(c.schedule);
-  const Layout layout = make_layout(c.layout, pb, P);
   const AttnSpec spec = make_spec(pb, make_mask(c.mask, pb));
+  const Layout layout = make_layout(c.layout, pb, P, spec.mask);
   const Global& g = global(c.problem, c.mask);
   const int64_t Sl = layout.local_len(me);
 

@@ -1,5 +1,6 @@
 // Multi-rank tests (1-4 ranks) of the distributed backward (dattn::attention_backward): every
-// strategy (ring, ulysses, hybrid U = 2) under every layout and mask, each rank's dq, dk, dv
+// strategy (ring, ulysses, hybrid U = 2) under every layout and mask (random slice masks and the
+// balanced layout among them), each rank's dq, dk, dv
 // against the float64 reference gradients of the global tensors, the bytes sent against
 // attention_backward_send_bytes, bit-identical repeated calls, gradient error that does not grow
 // with the ranks, a bad argument on one rank becoming an error on every rank, and document masks
@@ -13,6 +14,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -37,7 +39,7 @@ enum class Schedule { ring, ulysses, hybrid_u2 };
 const char* schedule_name(Schedule s) {
   return s == Schedule::ring ? "ring" : s == Schedule::ulysses ? "ulysses" : "hybridU2";
 }
-enum class LayoutKind { contiguous, zigzag, striped, varlen };
+enum class LayoutKind { contiguous, zigzag, striped, varlen, balanced };
 const char* layout_name(LayoutKind k) {
   switch (k) {
     case LayoutKind::contiguous:
@@ -48,10 +50,12 @@ const char* layout_name(LayoutKind k) {
       return "striped";
     case LayoutKind::varlen:
       return "varlen";
+    case LayoutKind::balanced:
+      return "balanced5";
   }
   return "?";
 }
-enum class MaskKind { none, causal, window, document_causal };
+enum class MaskKind { none, causal, window, document_causal, slices };
 const char* mask_name(MaskKind m) {
   switch (m) {
     case MaskKind::none:
@@ -62,6 +66,8 @@ const char* mask_name(MaskKind m) {
       return "window7r3";
     case MaskKind::document_causal:
       return "doc_causal";
+    case MaskKind::slices:
+      return "slices";
   }
   return "?";
 }
@@ -101,12 +107,15 @@ std::ostream& operator<<(std::ostream& os, const Case& c) {
 std::vector<Case> cases() {
   std::vector<Case> cs;
   for (int p = 0; p < int(std::size(kProblems)); ++p)
-    for (Schedule s : {Schedule::ring, Schedule::ulysses, Schedule::hybrid_u2})
+    for (Schedule s : {Schedule::ring, Schedule::ulysses, Schedule::hybrid_u2}) {
       for (LayoutKind l :
            {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped, LayoutKind::varlen})
-        for (MaskKind m :
-             {MaskKind::none, MaskKind::causal, MaskKind::window, MaskKind::document_causal})
+        for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window,
+                           MaskKind::document_causal, MaskKind::slices})
           cs.push_back({s, l, m, p});
+      for (MaskKind m : {MaskKind::causal, MaskKind::slices})
+        cs.push_back({s, LayoutKind::balanced, m, p});
+    }
   return cs;
 }
 
@@ -120,10 +129,14 @@ Mask make_mask(MaskKind m, const Problem& pb) {
       return Mask::window(7, 3);
     case MaskKind::document_causal:
       return Mask::document(pb.cu_seqlens, true);
+    case MaskKind::slices: {  // random slices (test::random_slices), the same on every rank
+      std::mt19937_64 rng(uint64_t(pb.S) * 5 + 3);
+      return test::random_slices(rng, pb.S);
+    }
   }
   return Mask::none();
 }
-Layout make_layout(LayoutKind k, const Problem& pb, int P) {
+Layout make_layout(LayoutKind k, const Problem& pb, int P, const Mask& mask) {
   switch (k) {
     case LayoutKind::contiguous:
       return Layout::contiguous(pb.S, P);
@@ -133,6 +146,8 @@ Layout make_layout(LayoutKind k, const Problem& pb, int P) {
       return Layout::striped(pb.S, P, 3);
     case LayoutKind::varlen:
       return Layout::varlen(pb.cu_seqlens, P);
+    case LayoutKind::balanced:
+      return Layout::balanced(mask, pb.S, P, 5);
   }
   return Layout();
 }
@@ -220,8 +235,8 @@ TEST_P(Backward, MatchesReferenceAndByteModel) {
     GTEST_SKIP() << "H_kv " << pb.Hkv << " neither divides nor is a multiple of U = " << heads_u;
   Runtime& rt = runtime(U);
   const int me = rt.cp_rank();
-  const Layout layout = make_layout(c.layout, pb, P);
   const AttnSpec spec = make_spec(pb, make_mask(c.mask, pb));
+  const Layout layout = make_layout(c.layout, pb, P, spec.mask);
   const Global& g = global(c.problem, c.mask);
   const std::string where = "rank " + std::to_string(me) + " of " + std::to_string(P) + ", " +
                             layout.str() + ", " + spec.mask.str();

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <iterator>
 #include <map>
-#include <random>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -165,8 +165,7 @@ std::vector<StrategyCase> strategy_cases() {
   std::vector<StrategyCase> cs;
   for (int p = 0; p < int(std::size(kProblems)); ++p)
     for (Schedule s : {Schedule::ring, Schedule::ulysses, Schedule::hybrid_u1, Schedule::hybrid_u2,
-                       Schedule::hybrid_all})
-    {
+                       Schedule::hybrid_all}) {
       for (LayoutKind l : {LayoutKind::contiguous, LayoutKind::zigzag, LayoutKind::striped1,
                            LayoutKind::striped3, LayoutKind::varlen})
         for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window,

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -156,20 +157,28 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
 // GEMMs, 16-bit chunks widened once; partially masked chunks add P V row by row.
 TEST(DecodeKernel, ManyRowsRunTheGemmPath) {
   const Mask causal = Mask::causal(), docs = Mask::document({0, 700, 1480, 3000}, true);
-  for (auto [dt, m] : {std::pair{DType::f32, causal}, {DType::bf16, docs}, {DType::f16, causal}}) {
+  const Mask prefix = test::shared_prefix_mask(200, {200, 700, 1480, 3000});
+  for (auto [dt, m] : {std::pair{DType::f32, causal},
+                       {DType::bf16, docs},
+                       {DType::f16, causal},
+                       {DType::bf16, prefix}}) {
     DecodeCase c{cpu::kDecodeMaxQueryRows, 1500, 8, 2, 64, 48, dt, m};
     SCOPED_TRACE(c.str());
     EXPECT_TRUE(decode_matches(c, 41));
   }
 }
 
-// Keys at strided and blocked global positions (the striped and zigzag layouts' shards).
+// Keys at strided and blocked global positions (the striped and zigzag layouts' shards), under
+// band, document and slice masks.
 TEST(DecodeKernel, StridedKeyPositions) {
   struct S {
     int64_t pos0, stride, block;
   };
   for (S s : {S{0, 3, 1}, S{5, 8, 2}, S{100, 64, 16}}) {
-    for (Mask m : {Mask::causal(), Mask::window(200), Mask::document({0, 900, 2000, 9000}, true)}) {
+    std::mt19937_64 rng(uint64_t(s.stride));
+    for (Mask m :
+         {Mask::causal(), Mask::window(200), Mask::document({0, 900, 2000, 9000}, true),
+          test::shared_prefix_mask(300, {300, 301, 2000, 9000}), test::random_slices(rng, 9000)}) {
       DecodeCase c{7, 1500, 8, 2, 64, 64, DType::bf16, m, s.pos0, s.stride, s.block};
       SCOPED_TRACE(c.str());
       EXPECT_TRUE(decode_matches(c, 11));

@@ -195,6 +195,45 @@ TEST_F(AttentionErrors, BadSinksAndSoftcap) {
   }
 }
 
+// Slice masks: overlapping, out of range (negative, or past the sequence), with a window, and
+// slices that differ between ranks: named errors on every rank; a valid list runs.
+TEST_F(AttentionErrors, BadSlices) {
+  Call c(P, me);
+  using K = MaskSlice::Kind;
+  const int64_t S = c.S;
+  auto with = [&](Mask m) {
+    AttnSpec s = c.spec;
+    s.mask = std::move(m);
+    return s;
+  };
+  EXPECT_TRUE(rejects(
+      [&] {
+        run(c, with(Mask::from_slices({{0, S, 0, S, K::causal}, {1, 2, 0, 1, K::full}})));
+      },
+      {"slices", "do not overlap"}));
+  EXPECT_TRUE(rejects(
+      [&] {
+        run(c, with(Mask::from_slices({{0, S, -2, S, K::full}})));
+      },
+      {"slice k range", "k -2:"}));
+  EXPECT_TRUE(rejects(
+      [&] {
+        run(c, with(Mask::from_slices({{0, S + 1, 0, S, K::full}})));
+      },
+      {"slices", "largest end is " + std::to_string(S + 1), "global_seq"}));
+  {
+    Mask m = Mask::from_slices({{0, S, 0, S, K::full}});
+    m.left = 3;
+    EXPECT_TRUE(rejects([&] { run(c, with(m)); }, {"mask", "slices alone"}));
+  }
+  if (P > 1) {  // a different list on one rank
+    const int64_t end = me == P - 1 ? S - 1 : S;
+    EXPECT_THROW(run(c, with(Mask::from_slices({{0, S, 0, end, K::causal}}))), Error);
+  }
+  EXPECT_NO_THROW(run(c, with(Mask::from_slices(
+                             {{0, S / 2, 0, S / 2, K::causal}, {S / 2, S, 0, S, K::bi_causal}}))));
+}
+
 TEST_F(AttentionErrors, TensorHeadsNotTheSpecs) {
   Call c(P, me);
   c.q = test::random_tensor({1, c.layout.local_len(me), 2, 32}, DType::f32, 5);  // spec: 4

@@ -18,12 +18,19 @@ void ProblemOptions::add_options(po::options_description& desc) {
   // clang-format off
   desc.add_options()
       ("layout,l", po::value(&layout_)->default_value(layout_),
-       "contiguous, zigzag, striped or varlen (zigzag per document; needs documents)")
+       "contiguous, zigzag, striped, varlen (zigzag per document; needs documents) or balanced "
+       "(chunks dealt to ranks by their work under the mask)")
+      ("chunk", po::value(&chunk_)->value_name("N"),
+       "tokens per chunk of --layout balanced (default: a multiple of 256 near S / 16P)")
       ("stripe-block", po::value(&stripe_block_)->default_value(stripe_block_),
        "tokens per block of --layout striped")
       ("mask,m", po::value(&mask_)->default_value(mask_),
-       "none, causal, window (needs -W), document (causal in each document) or document-full "
-       "(all of its document); documents: --doc-lens or --doc-count")
+       "none, causal, window (needs -W), document (causal in each document), document-full "
+       "(all of its document) or shared-prefix (a causal prefix, then documents that see all of "
+       "it and themselves causally: a slice mask); documents: --doc-lens or --doc-count")
+      ("prefix", po::value(&prefix_)->value_name("N"),
+       "tokens of the shared prefix of --mask shared-prefix (default S / 8); the documents "
+       "cut the rest")
       ("window,W", po::value(&window_)->value_name("L[,R]"),
        "mask window: keys from q-L to q+R (R default 0)")
       ("doc-lens", po::value(&doc_lens_str_)->value_name("LIST"),
@@ -57,22 +64,35 @@ void ProblemOptions::resolve(const po::variables_map& vm, int64_t seq_begin, int
                                                           : sum + n;
     require_option(seq_end == seq_begin, "--doc-lens", doc_lens_str_,
                    "one sequence length (--seq-end equal to --seq-begin); or use --doc-count");
-    require_option(sum == seq_begin, "--doc-lens", doc_lens_str_,
-                   cat("lengths summing to --seq-begin (", seq_begin, "), not ", sum));
+    const int64_t prefix = mask_ == "shared-prefix" ? prefix_len(seq_begin) : 0;
+    require_option(sum == seq_begin - prefix, "--doc-lens", doc_lens_str_,
+                   cat("lengths summing to --seq-begin (", seq_begin, ")",
+                       prefix ? cat(" less the prefix (", prefix, ")") : "", ", not ", sum));
     doc_lens_ = *lens;
   }
-  if (count_given)
-    require_option(doc_count_ >= 1 && doc_count_ <= seq_begin, "--doc-count", doc_count_,
-                   cat(">= 1 and <= --seq-begin (", seq_begin, ")"));
+  if (count_given) {
+    const int64_t room = seq_begin - (mask_ == "shared-prefix" ? prefix_len(seq_begin) : 0);
+    require_option(doc_count_ >= 1 && doc_count_ <= room, "--doc-count", doc_count_,
+                   cat(">= 1 and <= the tokens it cuts (", room, ")"));
+  }
   const bool docs = lens_given || count_given;
 
-  require_one_of("--layout", layout_, {"contiguous", "zigzag", "striped", "varlen"});
+  require_one_of("--layout", layout_, {"contiguous", "zigzag", "striped", "varlen", "balanced"});
+  only_with(chunk_ == 0 || layout_ == "balanced", "--chunk", std::to_string(chunk_),
+            "given only with --layout balanced");
+  require_option(vm.count("chunk") == 0 || chunk_ >= 1, "--chunk", chunk_, ">= 1");
   require_option(stripe_block_ >= 1, "--stripe-block", stripe_block_, ">= 1");
   only_with(vm["stripe-block"].defaulted() || layout_ == "striped", "--stripe-block",
             std::to_string(stripe_block_), "given only with --layout striped");
   require_option(layout_ != "varlen" || docs, "--layout", layout_,
                  "--doc-lens or --doc-count with varlen (its document boundaries)");
-  require_one_of("--mask", mask_, {"none", "causal", "window", "document", "document-full"});
+  require_one_of("--mask", mask_,
+                 {"none", "causal", "window", "document", "document-full", "shared-prefix"});
+  only_with(prefix_ < 0 || mask_ == "shared-prefix", "--prefix", std::to_string(prefix_),
+            "given only with --mask shared-prefix");
+  if (mask_ == "shared-prefix")
+    require_option(prefix_ < 0 || prefix_ < seq_begin, "--prefix", prefix_,
+                   cat(">= 0 and below --seq-begin (", seq_begin, ")"));
   if (mask_ == "window") {
     require_option(vm.count("window") > 0, "--mask", mask_, "-W/--window L[,R] with window");
     const auto lr = parse_int_list(window_);
@@ -84,11 +104,15 @@ void ProblemOptions::resolve(const po::variables_map& vm, int64_t seq_begin, int
   } else {
     only_with(vm.count("window") == 0, "--window", window_, "given only with --mask window");
   }
-  const bool doc_mask = mask_.rfind("document", 0) == 0;
+  const bool doc_mask = mask_.rfind("document", 0) == 0 || mask_ == "shared-prefix";
   require_option(!doc_mask || docs, "--mask", mask_, "--doc-lens or --doc-count with it");
   only_with(!docs || doc_mask || layout_ == "varlen", lens_given ? "--doc-lens" : "--doc-count",
             lens_given ? doc_lens_str_ : std::to_string(doc_count_),
             "given only with a document mask or --layout varlen");
+}
+
+int64_t ProblemOptions::prefix_len(int64_t S) const {
+  return prefix_ >= 0 ? std::min(prefix_, S) : S / 8;
 }
 
 std::vector<int64_t> ProblemOptions::cu_seqlens(int64_t S) const {
@@ -110,16 +134,37 @@ std::vector<int64_t> ProblemOptions::cu_seqlens(int64_t S) const {
 Problem ProblemOptions::make(const AttnSpec& heads, int64_t S, int P, const std::string& layout,
                              const std::string& mask, int64_t stripe_block) const {
   Problem p{heads, Layout()};
-  const std::vector<int64_t> cu = documents() == 0 ? std::vector<int64_t>{} : cu_seqlens(S);
-  p.spec.mask = mask == "none"     ? Mask::none()
-                : mask == "causal" ? Mask::causal()
-                : mask == "window" ? Mask::window(window_left_, window_right_)
-                                   : Mask::document(cu, mask == "document");
+  const bool shared = mask == "shared-prefix";
+  const int64_t prefix = shared ? prefix_len(S) : 0;
+  std::vector<int64_t> cu = documents() == 0 ? std::vector<int64_t>{} : cu_seqlens(S - prefix);
+  if (shared) {
+    // The prefix sees itself causally; every document after it sees it whole, and itself
+    // causally.
+    std::vector<MaskSlice> slices = {{0, prefix, 0, prefix, MaskSlice::Kind::causal}};
+    for (size_t d = 0; d + 1 < cu.size(); ++d) {
+      const int64_t a = prefix + cu[d], b = prefix + cu[d + 1];
+      slices.push_back({a, b, 0, prefix, MaskSlice::Kind::full});
+      slices.push_back({a, b, a, b, MaskSlice::Kind::causal});
+    }
+    p.spec.mask = Mask::from_slices(std::move(slices));
+    cu.insert(cu.begin(), 0);  // the prefix is the first document of --layout varlen
+    for (size_t d = 1; d < cu.size(); ++d)
+      cu[d] += prefix;
+  } else {
+    p.spec.mask = mask == "none"     ? Mask::none()
+                  : mask == "causal" ? Mask::causal()
+                  : mask == "window" ? Mask::window(window_left_, window_right_)
+                                     : Mask::document(cu, mask == "document");
+  }
   p.spec.validate();
+  // Chunks for balanced: a multiple of 256 (the CPU kernel's query tile) near S / 16P.
+  const int64_t chunk =
+      chunk_ > 0 ? chunk_ : std::max<int64_t>(256, (S / (16 * P) + 128) / 256 * 256);
   p.layout = layout == "striped"
                  ? Layout::striped(S, P, stripe_block ? stripe_block : stripe_block_)
-             : layout == "varlen" ? Layout::varlen(cu, P)
-                                  : Layout::make(layout, S, P);
+             : layout == "varlen"   ? Layout::varlen(cu, P)
+             : layout == "balanced" ? Layout::balanced(p.spec.mask, S, P, chunk)
+                                    : Layout::make(layout, S, P);
   DATTN_ASSERT(p.layout.global_seq() == S && p.layout.ranks() == P);
   return p;
 }

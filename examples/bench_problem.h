@@ -1,6 +1,6 @@
-// The attention problem of the prefill workload's options: the mask (-m, -W), the layout (-l,
-// --stripe-block) and the documents (--doc-lens, --doc-count) checked together, and the spec and
-// layout of one sequence length from them.
+// The attention problem of the prefill workload's options: the mask (-m, -W, --prefix), the layout
+// (-l, --stripe-block, --chunk) and the documents (--doc-lens, --doc-count) checked together, and
+// the spec and layout of one sequence length from them.
 #pragma once
 
 #include <boost/program_options.hpp>
@@ -39,9 +39,12 @@ class ProblemOptions {
   std::string mask_desc(int64_t S) const;  // the mask at length S: "document(3 docs, causal)"
 
  private:
+  // Document boundaries over S tokens (--doc-lens, or --doc-count pseudo-random lengths).
   std::vector<int64_t> cu_seqlens(int64_t S) const;
+  int64_t prefix_len(int64_t S) const;  // --mask shared-prefix: --prefix, or S / 8
   std::string layout_ = "zigzag", mask_ = "causal", window_, doc_lens_str_;
   int64_t stripe_block_ = 1, window_left_ = 0, window_right_ = 0, doc_count_ = 0;
+  int64_t chunk_ = 0, prefix_ = -1;  // 0, -1: not given
   std::vector<int64_t> doc_lens_;
 };
 

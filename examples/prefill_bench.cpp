@@ -230,6 +230,7 @@ class Prefill final : public Workload {
       lb = {{"seq", S}, {"mask", problem_.mask_desc(S)}};
       std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
       if (problem_.documents() > 0) kinds.push_back("varlen");
+      kinds.push_back("balanced");
       for (const std::string& kind : kinds) {
         const double v =
             flop_spread(problem_.make(heads(), S, P, kind, problem_.mask(), 1)).imbalance;

@@ -397,6 +397,8 @@ struct Options {
   int64_t block = 0;                        // blocks: tokens per block
   std::optional<std::vector<float>> sinks;  // attention sinks, one per query head
   double softcap = 0;                       // logit softcap; 0: off
+  // A slice mask: (q_begin, q_end, k_begin, k_end, kind) each, kind a MaskSlice::Kind.
+  std::optional<std::vector<std::vector<int64_t>>> slices;
 };
 
 Options options_from(const py::dict& d) {
@@ -427,6 +429,8 @@ Options options_from(const py::dict& d) {
       o.sinks = value.cast<std::vector<float>>();
     else if (k == "softcap")
       o.softcap = value.cast<double>();
+    else if (k == "slices")
+      o.slices = value.cast<std::vector<std::vector<int64_t>>>();
     else
       DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: unknown option '", k, "'");
   }
@@ -434,6 +438,17 @@ Options options_from(const py::dict& d) {
 }
 
 dattn::Mask make_mask(const Options& o) {
+  if (o.slices) {
+    DATTN_CHECK_ARG(!o.causal && o.window_left < 0 && o.window_right < 0 && o.cu_seqlens.empty(),
+                    "slices", cat(o.slices->size(), " slices"),
+                    "slices alone (no causal, window or cu_seqlens: slices express them)");
+    std::vector<dattn::MaskSlice> slices;
+    for (const std::vector<int64_t>& e : *o.slices) {
+      DATTN_ASSERT(e.size() == 5);  // the package passes 5 integers each
+      slices.push_back({e[0], e[1], e[2], e[3], dattn::MaskSlice::Kind(uint8_t(e[4]))});
+    }
+    return dattn::Mask::from_slices(std::move(slices));
+  }
   dattn::Mask mask;
   if (!o.cu_seqlens.empty())
     mask = dattn::Mask::document(o.cu_seqlens, o.causal);

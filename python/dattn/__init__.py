@@ -151,6 +151,31 @@ def _sinks(o, sinks, softcap=None):
     return o
 
 
+_SLICE_KINDS = {"full": 0, "causal": 1, "inv_causal": 2, "bi_causal": 3}
+
+
+def _slices(o, slices):
+    """A slice mask into an options dict: slices, a sequence of (q_begin, q_end, k_begin, k_end,
+    kind) in global positions, kind "full", "causal" (bottom-right aligned), "inv_causal" or
+    "bi_causal"; None: no slice mask. The extension checks ranges and overlaps."""
+    if slices is None:
+        return o
+    entries = []
+    for s in slices:
+        try:
+            q0, q1, k0, k1, kind = s
+            entry = [int(q0), int(q1), int(k0), int(k1)]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"invalid slices entry = {s!r}: expected (q_begin, q_end, "
+                                       "k_begin, k_end, kind)") from None
+        if kind not in _SLICE_KINDS:
+            raise InvalidArgumentError(f"invalid slice kind = {kind!r}: expected 'full', "
+                                       "'causal', 'inv_causal' or 'bi_causal'")
+        entries.append(entry + [_SLICE_KINDS[kind]])
+    o["slices"] = entries
+    return o
+
+
 def _scale(o, softmax_scale):
     if softmax_scale is not None:
         if not softmax_scale > 0:
@@ -174,11 +199,13 @@ def _layout(o, layout, stripe_block, cu_seqlens, block=None):
 
 
 def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", strategy="ring",
-             ulysses_degree=None, stripe_block=1, runtime=None, sinks=None, softcap=None):
-    """The options dict the extension takes: the mask as window sizes and document boundaries.
-    hybrid needs ulysses_degree on the default runtime; a dattn.Runtime brings its own."""
+             ulysses_degree=None, stripe_block=1, runtime=None, sinks=None, softcap=None,
+             slices=None):
+    """The options dict the extension takes: the mask as window sizes and document boundaries,
+    or slices. hybrid needs ulysses_degree on the default runtime; a dattn.Runtime brings its own."""
     o = _sinks(_scale(_mask({"strategy": str(strategy)}, causal, window), softmax_scale), sinks,
                softcap)
+    _slices(o, slices)
     _layout(o, layout, stripe_block, cu_seqlens)
     if strategy == "hybrid":
         if ulysses_degree is None and runtime is None:
@@ -378,7 +405,7 @@ def _run(call, q, k, v, return_lse, sinks=None):
 
 def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", strategy="ring",
               window=None, cu_seqlens=None, return_lse=False, ulysses_degree=None,
-              stripe_block=1, runtime=None, sinks=None, softcap=None):
+              stripe_block=1, runtime=None, sinks=None, softcap=None, slices=None):
     """Distributed attention of this rank's shards q [B, S_r, H, D], k and v [B, S_r, H_kv, D(v)]
     under `layout` ("contiguous", "zigzag", "striped" with `stripe_block`, "varlen" with
     `cu_seqlens`). The global sequence is the sum of the ranks' shard lengths. Collective over
@@ -397,13 +424,19 @@ def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", st
     row that sees no key: out 0, lse the sink). A torch sinks tensor that requires grad gets its
     gradient (summed over every rank's rows). softcap: the logit softcap (Gemma 2): each scaled
     score s becomes softcap * tanh(s / softcap) before the mask and softmax (None or 0: off).
-    Calls with sinks or a softcap go through a torch.autograd.Function, not the torch.library
-    operator (torch.compile breaks the graph there)."""
-    if runtime is None and sinks is None and not softcap and _torch_ops.applies(q, k, v):
+    slices: a slice mask (MagiAttention's AttnSlice) instead of causal/window/cu_seqlens: a list
+    of (q_begin, q_end, k_begin, k_end, kind) rectangles of global positions that do not
+    overlap, kind "full", "causal" (bottom-right aligned: the last query sees every key),
+    "inv_causal" (top-left aligned) or "bi_causal" (both); a pair in no slice is hidden.
+
+    Calls with sinks, a softcap or slices go through a torch.autograd.Function, not the
+    torch.library operator (torch.compile breaks the graph there)."""
+    if (runtime is None and sinks is None and not softcap and slices is None
+            and _torch_ops.applies(q, k, v)):
         return _torch_ops.attention(False, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens, layout, strategy, ulysses_degree, stripe_block)
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime, sinks, softcap)
+                       ulysses_degree, stripe_block, runtime, sinks, softcap, slices)
     call = _Call(_C.attention_forward, _C.attention_backward, options, _handle(runtime))
     return _run(call, q, k, v, return_lse, sinks)
 
@@ -411,13 +444,13 @@ def attention(q, k, v, causal=False, softmax_scale=None, layout="contiguous", st
 def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
                        layout="contiguous", strategy="ring", window=None, cu_seqlens=None,
                        ulysses_degree=None, stripe_block=1, runtime=None, sinks=None,
-                       softcap=None):
+                       softcap=None, slices=None):
     """The distributed backward without autograd: dq, dk, dv (float32, the shapes of q, k, v) for
     the attention call with these arguments that returned out and lse, and dout, the gradient of
     out; with sinks, dsinks [H] float32 after them (summed over every rank's rows). Collective,
     like attention()."""
     options = _options(causal, softmax_scale, window, cu_seqlens, layout, strategy,
-                       ulysses_degree, stripe_block, runtime, sinks, softcap)
+                       ulysses_degree, stripe_block, runtime, sinks, softcap, slices)
     like_torch = _is_torch(q)
     res = _C.attention_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
@@ -426,23 +459,26 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
 
 
 def attention_local(q, k, v, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
-                    return_lse=False, sinks=None, softcap=None):
+                    return_lse=False, sinks=None, softcap=None, slices=None):
     """Attention of this process alone over whole tensors (no communication, the same kernels):
     the single-process counterpart of attention(), with autograd for torch tensors (and sinks,
-    and softcap, as attention's)."""
-    if sinks is None and not softcap and _torch_ops.applies(q, k, v):
+    and softcap and slices, as attention's; slices in positions from 0 on both sides)."""
+    if sinks is None and not softcap and slices is None and _torch_ops.applies(q, k, v):
         return _torch_ops.attention(True, q, k, v, return_lse, causal, softmax_scale, window,
                                     cu_seqlens)
-    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap)
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap,
+                       slices=slices)
     call = _Call(_C.attention_local_forward, _C.attention_local_backward, options)
     return _run(call, q, k, v, return_lse, sinks)
 
 
 def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None,
-                             window=None, cu_seqlens=None, sinks=None, softcap=None):
+                             window=None, cu_seqlens=None, sinks=None, softcap=None,
+                             slices=None):
     """The backward of attention_local without autograd: dq, dk, dv (float32), and dsinks with
     sinks."""
-    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap)
+    options = _options(causal, softmax_scale, window, cu_seqlens, sinks=sinks, softcap=softcap,
+                       slices=slices)
     like_torch = _is_torch(q)
     res = _C.attention_local_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),

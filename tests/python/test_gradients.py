@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """dattn's Python binding under mpiexec (1-4 ranks): out, lse and dq, dk, dv of this rank's shard
 against float64 torch autograd of the full sequence, for every strategy x layout x mask with GQA
-and head_dim 64/128; bf16 gradient error no worse distributed than in one process; bit-identical
+and head_dim 64/128 (sinks, softcap and slice masks too); bf16 gradient error no worse distributed than in one process; bit-identical
 repeated backward calls; errors raised as dattn.InvalidArgumentError (a ValueError) on every
 rank, and the classes of the other kinds of error.
 
@@ -69,7 +69,9 @@ def reference(q, k, v, vis, scale, sinks=None, softcap=0.0):
     else:
         col = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
         lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vx)
+    # A row that sees no key (lse -inf, no sink) gets out 0 and no gradient, as dattn's.
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - finite[..., None]), vx)
     return out, lse
 
 
@@ -231,6 +233,75 @@ def check_sinks():
               f"{TOL_FP32}")
 
 
+def slice_visible(S, slices):
+    """[S, S] bool of a slice mask, from the kinds' definitions: inside the rectangle, a causal
+    slice's query at offset i sees key offsets up to i + (k_len - q_len), an inv_causal one from
+    i on, a bi_causal one both."""
+    vis = torch.zeros(S, S, dtype=torch.bool)
+    for q0, q1, k0, k1, kind in slices:
+        i = torch.arange(q1 - q0)[:, None]
+        j = torch.arange(k1 - k0)[None, :]
+        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        if kind in ("causal", "bi_causal"):
+            block &= j <= i + (k1 - k0) - (q1 - q0)
+        if kind in ("inv_causal", "bi_causal"):
+            block &= j >= i
+        vis[q0:q1, k0:k1] |= block
+    return vis
+
+
+def check_slices():
+    """Slice masks (slices=): a shared prefix with documents after it, plus inverse- and
+    bi-causal slices, queries that see nothing and an empty slice: out, lse, dq, dk, dv against
+    float64 autograd for each strategy on zigzag and striped, attention_local, and overlapping
+    slices or a bad kind rejected on every rank."""
+    B, S, H, Hkv, D = 1, 41, 2 * P, P, 16
+    q, k, v, dout = make_inputs(91, B, S, H, Hkv, D)
+    scale = 1.0 / D ** 0.5
+    slices = [(0, 8, 0, 8, "causal"),                              # the prefix
+              (8, 20, 0, 8, "full"), (8, 20, 8, 20, "causal"),     # document 1 sees the prefix
+              (20, 33, 0, 8, "full"), (20, 33, 20, 33, "causal"),  # document 2
+              (33, 37, 20, 41, "inv_causal"), (37, 40, 30, 41, "bi_causal"),
+              (20, 20, 0, 41, "full")]                             # 40: sees nothing; empty
+    vis = slice_visible(S, slices)
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    out_ref, lse_ref = reference(q64, k64, v64, vis, scale)
+    (out_ref * dout).sum().backward()
+    out_ref = out_ref.detach()
+    for layout in ("zigzag", "striped"):
+        pos = torch.from_numpy(dattn.layout_positions(layout, S))
+        for strategy in ("ring", "ulysses", "hybrid"):
+            qs, ks, vs = (t[:, pos].float().contiguous().requires_grad_() for t in (q, k, v))
+            out, lse = dattn.attention(qs, ks, vs, return_lse=True, layout=layout,
+                                       strategy=strategy, slices=slices,
+                                       ulysses_degree=1 if strategy == "hybrid" else None)
+            (out.double() * dout[:, pos]).sum().backward()
+            seen = vis[pos].any(dim=1)
+            assert torch.equal(torch.isinf(lse[0, 0]), ~seen), f"rank {RANK}: lse -inf rows"
+            errs = {"out": rel_err(out, out_ref[:, pos]),
+                    "lse": rel_err(lse[..., seen], lse_ref.detach()[:, :, pos][..., seen]),
+                    "dq": rel_err(qs.grad, q64.grad[:, pos]),
+                    "dk": rel_err(ks.grad, k64.grad[:, pos]),
+                    "dv": rel_err(vs.grad, v64.grad[:, pos])}
+            bad = {key: e for key, e in errs.items() if not e <= TOL_FP32}
+            assert not bad, f"rank {RANK}: slices {strategy} {layout}: above {TOL_FP32}: {bad}"
+    out = dattn.attention_local(q.float(), k.float(), v.float(), slices=slices)
+    assert rel_err(out, out_ref) <= TOL_FP32, f"rank {RANK}: local slices {rel_err(out, out_ref)}"
+    pos = torch.from_numpy(dattn.layout_positions("zigzag", S))
+    qs, ks, vs = (t[:, pos].float().contiguous() for t in (q, k, v))
+    for bad_slices, needle in (([(0, 8, 0, 8, "causal"), (4, 9, 7, 9, "full")], "overlap"),
+                               ([(0, 8, 0, 8, "diagonal")], "slice kind"),
+                               ([(0, 8, 0, S + 1, "full")], "slices")):
+        try:
+            dattn.attention(qs, ks, vs, layout="zigzag", slices=bad_slices)
+            raise AssertionError(f"rank {RANK}: slices {bad_slices} were accepted")
+        except dattn.InvalidArgumentError as e:
+            assert needle in str(e), f"rank {RANK}: {e}"
+    if RANK == 0:
+        print(f"test_gradients: slice masks (ring, ulysses, hybrid; zigzag, striped; local) "
+              f"within {TOL_FP32}")
+
+
 def configurations():
     """strategy x layout x mask, with head counts each strategy can take (Ulysses: H_kv a
     multiple of the ranks; hybrid: Ulysses groups of 2 on an even number of ranks), and GQA 4/2,
@@ -388,6 +459,7 @@ def main():
     check_bf16()
     check_api()
     check_sinks()
+    check_slices()
     if RANK == 0:
         print(f"test_gradients: all passed on {P} ranks in {time.time() - t0:.1f} s")
 

@@ -152,9 +152,24 @@ dattn::AttnSpec make_spec(const dattn_spec* s) {
       spec.mask = dattn::Mask::document(copy_cu_seqlens(s->cu_seqlens, s->num_cu_seqlens, "spec"),
                                         s->document_causal != 0);
       break;
+    case DATTN_MASK_SLICES: {
+      DATTN_CHECK_ARG(s->slices != nullptr || s->num_slices == 0, "spec.slices", "NULL",
+                      "num_slices x 5 values (q_begin, q_end, k_begin, k_end, kind)");
+      DATTN_CHECK_ARG(s->num_slices >= 0, "spec.num_slices", s->num_slices, ">= 0");
+      std::vector<dattn::MaskSlice> slices;
+      for (int64_t i = 0; i < s->num_slices; ++i) {
+        const int64_t* e = s->slices + 5 * i;
+        DATTN_CHECK_ARG(e[4] >= 0 && e[4] <= 3, cat("spec.slices[", i, "] kind"), e[4],
+                        "0 full, 1 causal, 2 inverse causal or 3 bi-causal");
+        slices.push_back({e[0], e[1], e[2], e[3], dattn::MaskSlice::Kind(e[4])});
+      }
+      spec.mask = dattn::Mask::from_slices(std::move(slices));
+      break;
+    }
     default:
       DATTN_THROW("invalid spec.mask = ", c_enum(s->mask),
-                  ": expected DATTN_MASK_NONE (0), CAUSAL (1), WINDOW (2) or DOCUMENT (3)");
+                  ": expected DATTN_MASK_NONE (0), CAUSAL (1), WINDOW (2), DOCUMENT (3) or "
+                  "SLICES (4)");
   }
   if (s->sinks)
     spec.sinks = dattn::make_sinks(

@@ -120,9 +120,10 @@ dattn_status dattn_layout_positions(const dattn_layout* layout, int ranks, int r
 typedef enum dattn_mask_kind {
   DATTN_MASK_NONE = 0,
   DATTN_MASK_CAUSAL = 1,
-  DATTN_MASK_WINDOW = 2,  /* keys from q - window_left to q + window_right (0, 0: only q itself) */
-  DATTN_MASK_DOCUMENT = 3 /* a token sees its own document only (cu_seqlens); causal inside it
-                             when document_causal is non-zero */
+  DATTN_MASK_WINDOW = 2,   /* keys from q - window_left to q + window_right (0, 0: only q itself) */
+  DATTN_MASK_DOCUMENT = 3, /* a token sees its own document only (cu_seqlens); causal inside it
+                              when document_causal is non-zero */
+  DATTN_MASK_SLICES = 4    /* a slice mask (slices): a query sees the keys of the slices it is in */
 } dattn_mask_kind;
 
 typedef struct dattn_spec {
@@ -137,11 +138,16 @@ typedef struct dattn_spec {
   const int64_t* cu_seqlens;         /* DATTN_MASK_DOCUMENT: [0, e1, ..., S], S the global seq,
                                         non-decreasing (a repeated entry: an empty document) */
   int64_t num_cu_seqlens;
-  const float* sinks; /* attention sinks: heads_q finite logits, one per query head, each joining
-                         its rows' softmax as a key with no value (lse counts it; a row of no key:
-                         out 0, lse the sink); NULL: none */
-  float softcap;      /* logit softcap: > 0, scores become softcap * tanh(s / softcap) before the
-                         mask and softmax (Gemma 2); 0: off */
+  const float* sinks;    /* attention sinks: heads_q finite logits, one per query head, each joining
+                            its rows' softmax as a key with no value (lse counts it; a row of no key:
+                            out 0, lse the sink); NULL: none */
+  float softcap;         /* logit softcap: > 0, scores become softcap * tanh(s / softcap) before the
+                            mask and softmax (Gemma 2); 0: off */
+  const int64_t* slices; /* DATTN_MASK_SLICES: num_slices rectangles of 5 values each, q_begin,
+                            q_end, k_begin, k_end (global positions) and kind: 0 full, 1 causal
+                            (bottom-right aligned: the last query sees every key), 2 inverse
+                            causal (top-left aligned), 3 bi-causal (both); none may overlap */
+  int64_t num_slices;
 } dattn_spec;
 
 /* ---------------------------------------------------------------- attention */

@@ -1,6 +1,7 @@
 /* The C API (src/dattn.h) from a C99 program under mpiexec with 1-4 ranks: forward and backward
  * of every layout, mask and strategy against a naive float64 attention written here (with empty
- * documents too: repeated cu_seqlens entries), and every error path (status, a message naming the
+ * documents too: repeated cu_seqlens entries; a slice mask with a row that sees nothing), and
+ * every error path (status, a message naming the
  * parameter, agreement across ranks, no hang). A failed check prints the rank and line and aborts
  * the job (MPI_Abort), so no rank waits. */
 #define _POSIX_C_SOURCE 200809L
@@ -77,6 +78,26 @@ typedef struct problem {
   double softcap;     /* > 0: scores become softcap * tanh(s / softcap) */
 } problem;
 
+/* The slice mask of the DATTN_MASK_SLICES cases over S = 37: a causal prefix of 7 tokens, two
+ * documents that see it whole and themselves causally, an inverse-causal and a bi-causal slice,
+ * position 36 seeing nothing, and an empty slice. */
+static const int64_t kSlices[][5] = {{0, 7, 0, 7, 1},     {7, 20, 0, 7, 0},    {7, 20, 7, 20, 1},
+                                     {20, 30, 0, 7, 0},   {20, 30, 20, 30, 1}, {30, 33, 20, 37, 2},
+                                     {33, 36, 25, 37, 3}, {9, 9, 0, 37, 0}};
+static const int64_t kNumSlices = 8;
+
+/* Whether query i sees key j under kSlices (the kinds written out on offsets in the rectangle). */
+static int slice_visible(int64_t i, int64_t j) {
+  for (int64_t n = 0; n < kNumSlices; ++n) {
+    const int64_t* e = kSlices[n];
+    if (i < e[0] || i >= e[1] || j < e[2] || j >= e[3]) continue;
+    const int64_t a = i - e[0], b = j - e[2], excess = (e[3] - e[2]) - (e[1] - e[0]);
+    const int below = b <= a + excess, above = b >= a;
+    return e[4] == 0 ? 1 : e[4] == 1 ? below : e[4] == 2 ? above : below && above;
+  }
+  return 0;
+}
+
 static int64_t doc_of(const problem* p, int64_t pos) {
   int64_t d = 0;
   while (d + 1 < p->ncu && p->cu[d + 1] <= pos)
@@ -94,6 +115,8 @@ static int visible(const problem* p, int64_t i, int64_t j) {
       return j >= i - p->left && j <= i + p->right;
     case DATTN_MASK_DOCUMENT:
       return doc_of(p, i) == doc_of(p, j) && (!p->doc_causal || j <= i);
+    case DATTN_MASK_SLICES:
+      return slice_visible(i, j);
   }
   return 0;
 }
@@ -131,12 +154,18 @@ static void reference(const problem* p, const float* q, const float* k, const fl
         }
         const double sink = p->sinks ? (double)p->sinks[h] : -INFINITY;
         if (sink > m) m = sink;
+        double* oi = out + ((b * S + i) * H + h) * Dv;
+        if (m == -INFINITY) { /* a row that sees no key: out 0, lse -inf, no gradient */
+          for (int64_t e = 0; e < Dv; ++e)
+            oi[e] = 0;
+          lse[(b * H + h) * S + i] = -INFINITY;
+          continue;
+        }
         double sum = exp(sink - m);
         for (int64_t j = 0; j < S; ++j) {
           prob[j] = prob[j] == -INFINITY ? 0 : exp(prob[j] - m);
           sum += prob[j];
         }
-        double* oi = out + ((b * S + i) * H + h) * Dv;
         for (int64_t e = 0; e < Dv; ++e)
           oi[e] = 0;
         for (int64_t j = 0; j < S; ++j) {
@@ -210,7 +239,9 @@ static double diff_lse(const float* got, const double* ref, int64_t B, int64_t H
   double worst = 0;
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t i = 0; i < n; ++i) {
-      const double d = fabs(got[bh * n + i] - ref[bh * S + pos[i]]);
+      const double r = ref[bh * S + pos[i]];
+      const double d = r == -INFINITY ? (got[bh * n + i] == -INFINITY ? 0 : INFINITY)
+                                      : fabs(got[bh * n + i] - r);
       if (!(d <= worst)) worst = d;
     }
   return worst;
@@ -219,7 +250,7 @@ static double diff_lse(const float* got, const double* ref, int64_t B, int64_t H
 /* ---------------------------------------------------------------- one case */
 
 static const char* kLayoutNames[] = {"contiguous", "zigzag", "striped", "varlen"};
-static const char* kMaskNames[] = {"none", "causal", "window", "document"};
+static const char* kMaskNames[] = {"none", "causal", "window", "document", "slices"};
 static const char* kStrategyNames[] = {"ring", "ulysses", "hybrid"};
 
 /* The documents of the cases (the reference's), and the same documents with empty ones (repeated
@@ -238,8 +269,9 @@ static void run_case_docs(dattn_runtime* rt, dattn_layout_kind lk, dattn_mask_ki
   problem p = {B, S, H, Hkv, D, Dv, 1.0 / sqrt((double)D), mk, 5, 2, 1, kDocs, 5, sinks, softcap};
 
   dattn_layout layout = {lk, S, 2, cu, ncu};
-  dattn_spec spec = {H,       Hkv,          D,  Dv,  0.0f,  mk,     p.left,
-                     p.right, p.doc_causal, cu, ncu, sinks, softcap};
+  dattn_spec spec = {H,         Hkv,          D,  Dv,  0.0f,  mk,      p.left,
+                     p.right,   p.doc_causal, cu, ncu, sinks, softcap, &kSlices[0][0],
+                     kNumSlices};
 
   int64_t n = -1;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
@@ -345,7 +377,7 @@ static void* other_thread(void* arg) {
 static void run_error_paths(dattn_runtime* rt) {
   const int64_t B = 1, S = 16, H = 4, Hkv = 2, D = 8;
   dattn_layout layout = {DATTN_LAYOUT_CONTIGUOUS, S, 0, NULL, 0};
-  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f};
+  dattn_spec spec = {H, Hkv, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f, NULL, 0};
   int64_t n = 0;
   CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
   float* q = xmalloc(sizeof(float) * (size_t)(B * n * H * D));
@@ -615,11 +647,11 @@ int main(int argc, char** argv) {
 
   /* Every layout x mask with ring, GQA 4/2, head_dim_v != head_dim in half of them. */
   for (int lk = 0; lk < 4; ++lk)
-    for (int mk = 0; mk < 4; ++mk)
+    for (int mk = 0; mk < 5; ++mk)
       run_case(rt, (dattn_layout_kind)lk, (dattn_mask_kind)mk, DATTN_STRATEGY_RING, 4, 2, 16,
                (lk + mk) % 2 ? 8 : 16, 1);
   /* Ulysses with heads_kv = the ranks; MQA on the ring. */
-  for (int mk = 0; mk < 4; ++mk)
+  for (int mk = 0; mk < 5; ++mk)
     run_case(rt, DATTN_LAYOUT_ZIGZAG, (dattn_mask_kind)mk, DATTN_STRATEGY_ULYSSES, 2 * g_size,
              g_size, 16, 16, 1);
   run_case(rt, DATTN_LAYOUT_STRIPED, DATTN_MASK_CAUSAL, DATTN_STRATEGY_RING, 4, 1, 32, 32, 1);
@@ -679,7 +711,7 @@ int main(int argc, char** argv) {
     CHECK_OK(dattn_runtime_create(MPI_COMM_WORLD, &o, &checked));
     const int64_t B = 1, S = 12, H = 2, D = 8;
     dattn_layout layout = {DATTN_LAYOUT_ZIGZAG, S, 0, NULL, 0};
-    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f};
+    dattn_spec spec = {H, H, D, 0, 0.0f, DATTN_MASK_CAUSAL, 0, 0, 0, NULL, 0, NULL, 0.0f, NULL, 0};
     int64_t n = 0;
     CHECK_OK(dattn_layout_shard_len(&layout, g_size, g_rank, &n));
     float* q = xmalloc(sizeof(float) * (size_t)(B * (n + 1) * H * D));

@@ -1,9 +1,8 @@
 /* The C API (src/dattn.h) from a C99 program under mpiexec with 1-4 ranks: forward and backward
  * of every layout, mask and strategy against a naive float64 attention written here (with empty
  * documents too: repeated cu_seqlens entries; a slice mask with a row that sees nothing), and
- * every error path (status, a message naming the
- * parameter, agreement across ranks, no hang). A failed check prints the rank and line and aborts
- * the job (MPI_Abort), so no rank waits. */
+ * every error path (status, a message naming the parameter, agreement across ranks, no hang). A
+ * failed check prints the rank and line and aborts the job (MPI_Abort), so no rank waits. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <math.h>

@@ -44,12 +44,14 @@ struct MaskSlice {
   bool keys_seen(int64_t q_lo, int64_t q_hi, int64_t k_lo, int64_t k_hi, int64_t* lo,
                  int64_t* hi) const {
     if (empty()) return false;
+    // Sums are written so that none passes INT64_MAX: a - q_begin < k_end - k_begin below.
+    const int64_t k_len = k_end - k_begin;
     int64_t a = std::max(q_lo, q_begin), b = std::min(q_hi, q_end - 1);
-    if (upper()) a = std::max(a, q_end - (k_end - k_begin));
-    if (lower()) b = std::min(b, q_begin + (k_end - k_begin) - 1);
+    if (upper()) a = std::max(a, q_end - k_len);
+    if (lower() && b - q_begin >= k_len) b = q_begin + (k_len - 1);
     if (a > b) return false;
-    *lo = std::max(k_lo, lower() ? a - q_begin + k_begin : k_begin);
-    *hi = std::min(k_hi, upper() ? b - q_end + k_end : k_end - 1);
+    *lo = std::max(k_lo, lower() ? k_begin + (a - q_begin) : k_begin);
+    *hi = std::min(k_hi, upper() ? k_end + (b - q_end) : k_end - 1);
     return *lo <= *hi;
   }
   // The queries [*lo, *hi] that see some key in [k_lo, k_hi]; false when there is none.
@@ -57,8 +59,8 @@ struct MaskSlice {
     if (empty()) return false;
     const int64_t c = std::max(k_lo, k_begin), d = std::min(k_hi, k_end - 1);
     if (c > d) return false;
-    *lo = upper() ? std::max(q_begin, c - k_end + q_end) : q_begin;
-    *hi = lower() ? std::min(q_end - 1, d - k_begin + q_begin) : q_end - 1;
+    *lo = upper() ? std::max(q_begin, q_end + (c - k_end)) : q_begin;
+    *hi = lower() && d - k_begin < q_end - 1 - q_begin ? q_begin + (d - k_begin) : q_end - 1;
     return *lo <= *hi;
   }
   // Whether every query in [q_lo, q_hi] sees every key in [k_lo, k_hi] (a non-empty box).

@@ -1,8 +1,8 @@
 // libFuzzer target: attention-spec validation. An AttnSpec and its Mask from fuzzed fields
-// (heads, head dims, softmax scale as raw bits, window sides, cu_seqlens); validate() either
-// throws dattn::Error or the spec is usable: str/hash/scale work, and on fuzzed global positions
-// (anywhere in [0, INT64_MAX]) visible() follows its definition and cover() is sound (never
-// "none" when a pair of the block is visible, never "all" when one is hidden).
+// (heads, head dims, softmax scale as raw bits, window sides, cu_seqlens, slices); validate()
+// either throws dattn::Error or the spec is usable: str/hash/scale work, and on fuzzed global
+// positions (anywhere in [0, INT64_MAX]) visible() follows its definition and cover() is sound
+// (never "none" when a pair of the block is visible, never "all" when one is hidden).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,17 +33,33 @@ int64_t document_by_scan(const Mask& m, int64_t pos) {
 // Visibility written out without overflow: k within [q - left, q + right] on non-negative
 // positions, and the same document.
 bool visible_by_definition(const Mask& m, int64_t q, int64_t k) {
+  if (m.slices) {  // in a rectangle, on the right side of its kind's diagonals (offsets i, j)
+    for (const dattn::MaskSlice& sl : *m.slices) {
+      if (q < sl.q_begin || q >= sl.q_end || k < sl.k_begin || k >= sl.k_end) continue;
+      const int64_t i = q - sl.q_begin, j = k - sl.k_begin;
+      const int64_t excess = (sl.k_end - sl.k_begin) - (sl.q_end - sl.q_begin);
+      const bool below = j - i <= excess, above = j >= i;
+      return (!sl.upper() || below) && (!sl.lower() || above);
+    }
+    return false;
+  }
   if (m.left >= 0 && k < q && q - k > m.left) return false;
   if (m.right >= 0 && k > q && k - q > m.right) return false;
   return document_by_scan(m, q) == document_by_scan(m, k);
 }
 
-// A position: anywhere, or near a fuzzed anchor (a document boundary, 0, or INT64_MAX).
+// A position: anywhere, or near a fuzzed anchor (a document boundary, a slice's edge, 0, or
+// INT64_MAX).
 int64_t position(dattn::fuzz::Input& in, const Mask& m) {
   const uint8_t c = in.byte();
   int64_t anchor = 0;
   if (c % 4 == 1) anchor = kMax;
   if (c % 4 == 2 && m.documents) anchor = (*m.documents)[size_t(c / 4) % m.documents->size()];
+  if (c % 4 == 2 && m.slices && !m.slices->empty()) {
+    const dattn::MaskSlice& sl = (*m.slices)[size_t(c / 16) % m.slices->size()];
+    const int64_t edges[] = {sl.q_begin, sl.q_end, sl.k_begin, sl.k_end};
+    anchor = edges[(c / 4) % 4];
+  }
   if (c % 4 == 3) return int64_t(in.raw<uint64_t>() & uint64_t(kMax));
   const int64_t delta = int64_t(in.byte() % 64) - 32;
   if (delta > 0 && anchor > kMax - delta) return kMax;
@@ -62,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   spec.softmax_scale = in.raw<float>();
   const uint8_t kind = in.byte();
   const int64_t left = in.size(), right = in.size();
-  switch (kind % 5) {
+  switch (kind % 6) {
     case 0:
       spec.mask = Mask::none();
       break;
@@ -72,6 +88,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 2:
       spec.mask = Mask::window(left, right);
       break;
+    case 5: {  // slices: fuzzed ranges (some out of order, overlapping or near INT64_MAX), kinds
+      std::vector<dattn::MaskSlice> slices;
+      for (int n = in.byte() % 6; n > 0; --n) {
+        dattn::MaskSlice sl;
+        sl.q_begin = in.size();
+        sl.q_end = in.byte() % 2 ? in.size() : sl.q_begin + in.byte() % 40;
+        sl.k_begin = in.size();
+        sl.k_end = in.byte() % 2 ? in.size() : sl.k_begin + in.byte() % 40;
+        sl.kind = dattn::MaskSlice::Kind(in.byte() % 5);  // 4: invalid
+        slices.push_back(sl);
+      }
+      spec.mask = Mask::from_slices(std::move(slices));
+      break;
+    }
     default: {
       // Boundaries: increasing steps from the previous one, or any value (mostly invalid).
       std::vector<int64_t> cu;
@@ -80,7 +110,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         cu.push_back(in.byte() % 2 || prev > kMax - step ? in.size() : prev + step);
       }
       spec.mask = Mask::document(std::move(cu), in.byte() % 2);
-      if (kind % 5 == 4) {  // documents with a window as well
+      if (kind % 6 == 4) {  // documents with a window as well
         spec.mask.left = left;
         spec.mask.right = right;
       }
@@ -97,8 +127,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(spec.dim_v() >= 1 && spec.dim_v() <= 256, spec.str());
   FUZZ_CHECK(std::isfinite(spec.scale()) && spec.scale() > 0.f, spec.str());
   FUZZ_CHECK(m == m && m.hash() == Mask(m).hash(), m.str());
-  FUZZ_CHECK(!m.is_causal() || (m.left < 0 && m.right == 0 && !m.documents), m.str());
-  FUZZ_CHECK(!m.is_none() || (m.left < 0 && m.right < 0 && !m.documents), m.str());
+  FUZZ_CHECK(!m.is_causal() || (m.left < 0 && m.right == 0 && !m.documents && !m.slices), m.str());
+  FUZZ_CHECK(!m.is_none() || (m.left < 0 && m.right < 0 && !m.documents && !m.slices), m.str());
 
   // Single pairs, from the fuzzed positions.
   for (int i = 0; i < 8 && !in.empty(); ++i) {
@@ -128,6 +158,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                "]");
     FUZZ_CHECK(!(any_hidden && c == Mask::Cover::all), m.str(), " cover all, a pair hidden: q [",
                q_lo, ", ", q_hi, "] k [", k_lo, ", ", k_hi, "]");
+    FUZZ_CHECK(!(m.slices && !any_visible && c != Mask::Cover::none), m.str(),
+               " slices: cover not none, no pair visible: q [", q_lo, ", ", q_hi, "] k [", k_lo,
+               ", ", k_hi, "]");
   }
   (void)spec.str();
   return 0;

@@ -111,9 +111,10 @@ Layout Layout::balanced(const Mask& mask, int64_t global_seq, int ranks, int64_t
   Layout l(Kind::balanced, global_seq, ranks);
   l.block_ = chunk;
   const int64_t n = global_seq / chunk + (global_seq % chunk != 0);
-  DATTN_CHECK_ARG(n <= (int64_t(1) << 20), "chunk", chunk,
-                  detail::cat("at least global_seq / 2^20 (", global_seq,
-                              " tokens make more chunks than the dealing handles)"));
+  // Every pair of chunks is priced: 4096 chunks take about a second (a 65-slice mask).
+  DATTN_CHECK_ARG(n <= 4096, "chunk", chunk,
+                  detail::cat("at least global_seq / 4096 = ", (global_seq + 4095) / 4096,
+                              " (at most 4096 chunks; the dealing prices every pair)"));
   std::vector<Run> chunks(static_cast<size_t>(n));
   for (int64_t c = 0; c < n; ++c)
     chunks[size_t(c)] = Run{0, c * chunk, 1, std::min(chunk, global_seq - c * chunk)};

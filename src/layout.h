@@ -68,7 +68,7 @@ class Layout {
   // least so far among those that still have room (every rank gets floor or ceil of chunks / P).
   // A rank holds its chunks in position order, one run each (runs are not merged: the kernel's
   // tiles start at each run, so the work of a rank is the sum of its chunks'). For slice and
-  // document masks whose work is uneven along the sequence.
+  // document masks whose work is uneven along the sequence. At most 4096 chunks.
   static Layout balanced(const Mask& mask, int64_t global_seq, int ranks, int64_t chunk);
   int64_t block() const { return block_; }  // striped, blocks, balanced (the chunk)
   // The layout of a kind by name: "contiguous", "zigzag" or "striped" (blocks of one token);

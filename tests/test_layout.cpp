@@ -657,6 +657,8 @@ TEST(BalancedLayout, ChunksDealtByTheirWork) {
   EXPECT_EQ(l.local_len(0) + l.local_len(1) + l.local_len(2), 1000);
   owners(Layout::balanced(Mask::none(), 700, 8, 300));
   EXPECT_TRUE(test::throws_naming([] { Layout::balanced(Mask::causal(), 100, 2, 0); }, {"chunk"}));
+  EXPECT_TRUE(test::throws_naming([] { Layout::balanced(Mask::causal(), 10000, 2, 2); },
+                                  {"chunk", "at least global_seq / 4096 = 3"}));
 }
 
 // Without a mask nothing is skipped: the ranks' FLOPs add up to the whole problem's, for every

@@ -107,15 +107,24 @@ TEST(TileGemm, OnednnBf16) {
   check_path(GemmPath::onednn, DType::bf16);
 }
 
-// The dispatch: the fastest path that runs, forced paths where they run and blas elsewhere,
-// never a path for fp16 operands (the kernels widen them).
+// The dispatch: the fastest path that runs (bf16 tiles only where they measure faster than
+// widening), forced paths where they run and blas elsewhere, never a path for fp16 operands
+// (the kernels widen them).
 TEST(TileGemm, Dispatch) {
   const bool onednn_f32 = cpu::gemm_path_runs(GemmPath::onednn, DType::f32);
   const bool onednn_bf16 = cpu::gemm_path_runs(GemmPath::onednn, DType::bf16);
   EXPECT_FALSE(cpu::gemm_path_runs(GemmPath::blas, DType::bf16));
   EXPECT_FALSE(cpu::gemm_path_runs(GemmPath::onednn, DType::f16));
   EXPECT_EQ(cpu::gemm_path(DType::f32), onednn_f32 ? GemmPath::onednn : GemmPath::blas);
-  EXPECT_EQ(cpu::gemm_path(DType::bf16), onednn_bf16 ? GemmPath::onednn : GemmPath::blas);
+  const double speedup = cpu::bf16_tile_speedup();
+  EXPECT_EQ(speedup > 0, onednn_bf16 && onednn_f32) << speedup;
+  EXPECT_EQ(cpu::bf16_tiles_pay(), speedup >= cpu::kBf16TilesPay);
+  EXPECT_EQ(cpu::gemm_path(DType::bf16),
+            onednn_bf16 && cpu::bf16_tiles_pay() ? GemmPath::onednn : GemmPath::blas);
+  if (onednn_bf16) {  // forced, the bf16 tiles run wherever they can (the tests force each path)
+    cpu::set_gemm_path(GemmPath::onednn);
+    EXPECT_EQ(cpu::gemm_path(DType::bf16), GemmPath::onednn);
+  }
   cpu::set_gemm_path(GemmPath::blas);
   EXPECT_EQ(cpu::gemm_path(DType::f32), GemmPath::blas);
   EXPECT_EQ(cpu::gemm_path(DType::bf16), GemmPath::blas);

@@ -177,7 +177,7 @@ struct Problem {
   const float* delta;
   int64_t B, Hq, Hkv, D, Dv, group, q_len, k_len, q_tiles, k_tiles;
   GemmPath path;  // of the fp32 tile GEMMs
-  // bf16 inputs and output gradient on a CPU that multiplies bf16 at full speed: the GEMMs read
+  // bf16 inputs and output gradient on a CPU where bf16 tiles pay (bf16_tiles_pay): the GEMMs read
   // them in place (Tile::raw), and P and dS enter as two bf16 terms each, as in the forward.
   bool bf16_gemms;
 

@@ -3,9 +3,9 @@
 // one merge of the tile's partial into the running partial (kernels/merge.h). NaN or inf where
 // the mask hides it never reaches a row that does not see it (see add_pv_sanitised).
 //
-// Operands: fp32 tensors are read in place; bf16 ones too where the CPU multiplies bf16 at
-// full speed (AVX512-BF16, AMX: gemm_path(bf16) is onednn), else they and fp16 are widened to
-// fp32 tile by tile. On the bf16 path P is split into two bf16 terms, P = P_hi + P_lo (P_hi is
+// Operands: fp32 tensors are read in place; bf16 ones too where bf16 tiles pay (AVX512-BF16 or
+// AMX measured faster than widening: gemm_path(bf16) is onednn), else they and fp16 are widened
+// to fp32 tile by tile. On the bf16 path P is split into two bf16 terms, P = P_hi + P_lo (P_hi is
 // P rounded to bf16, P_lo the rest rounded), and O += P_hi V + P_lo V: P keeps 16 bits instead
 // of 8, so the result is as accurate as the widened path's (within 2^-17 of P per term; a
 // single bf16 P would cost 2^-9, as much as storing the output in bf16), for two bf16 GEMMs at
@@ -353,7 +353,11 @@ std::string cpu_kernel_info() {
   std::string info = detail::cat(
       "blas OpenBLAS core ", core ? core : "?", ", tiles ", kTileQ, "x", kTileK, " fp32 on ",
       gemm_info(DType::f32), ", bf16 on ",
-      gemm_path(DType::bf16) == GemmPath::onednn ? gemm_info(DType::bf16) : "fp32 (widened)",
+      gemm_path(DType::bf16) == GemmPath::onednn ? gemm_info(DType::bf16)
+      : gemm_path_runs(GemmPath::onednn, DType::bf16)
+          ? detail::cat("fp32 (widened: oneDNN's bf16 tiles run at ",
+                        std::lround(bf16_tile_speedup() * 100), "% of its fp32 rate here)")
+          : std::string("fp32 (widened)"),
       ", softmax ", vec_math_isa(), ", decode ", decode_isa_name(decode_best_isa()));
   if (core != nullptr && std::strcmp(core, "Prescott") == 0)
     info += " (WARNING: generic BLAS kernels; set OPENBLAS_CORETYPE, see launch/mpirun.sh)";

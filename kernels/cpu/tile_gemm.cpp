@@ -1,17 +1,21 @@
 // The CPU kernels' tile GEMMs: OpenBLAS sgemm, or oneDNN's matmul primitive (brgemm kernels)
-// where the build has oneDNN. A oneDNN primitive is made for one shape (sizes, leading
-// dimensions, transposes, dtype, alpha, accumulate): each thread keeps the ones it made, so that
-// a kernel call (a few tile shapes, thousands of tiles) makes them once and then only executes.
-// Primitives run with a user scratchpad owned by the thread: oneDNN's library scratchpad is
-// shared between primitives and not safe when several threads execute at once.
+// where the build has oneDNN, and the measurement that decides whether bf16 tiles pay here. A
+// oneDNN primitive is made for one shape (sizes, leading dimensions, transposes, dtype, alpha,
+// accumulate): each thread keeps the ones it made, so that a kernel call (a few tile shapes,
+// thousands of tiles) makes them once and then only executes. Primitives run with a user scratchpad
+// owned by the thread: oneDNN's library scratchpad is shared between primitives and not safe when
+// several threads execute at once.
 #include "kernels/cpu/tile_gemm.h"
 
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "src/base/error.h"
 
@@ -22,7 +26,6 @@
 #include <map>
 #include <memory>
 #include <tuple>
-#include <vector>
 #endif
 
 namespace dattn::cpu {
@@ -154,9 +157,55 @@ const std::string& onednn_impl(DType dtype) {
   return impl[i];
 }
 
+// The measured rate of oneDNN's bf16 tiles over its fp32 ones (see bf16_tile_speedup), once.
+double measure_bf16_speedup() {
+  constexpr int64_t M = 256, N = 512, K = 128;  // the forward's Q K^T tile
+  constexpr int kReps = 6;
+  const std::vector<float> a(size_t(M * K), 0.5f), b(size_t(N * K), 0.25f);
+  const std::vector<uint16_t> a16(a.size(), 0x3f00), b16(b.size(), 0x3e80);  // the same values
+  std::vector<float> c(size_t(M * N));
+  double best[2] = {1e30, 1e30};
+  for (int dt = 0; dt < 2; ++dt) {
+    const GemmOperand A{dt ? static_cast<const void*>(a16.data()) : a.data(), K};
+    const GemmOperand B{dt ? static_cast<const void*>(b16.data()) : b.data(), K, true};
+    const DType dtype = dt ? DType::bf16 : DType::f32;
+    onednn_gemm(dtype, M, N, K, 1.f, A, B, false, c.data(), N);  // makes the primitive
+    for (int rep = 0; rep < kReps; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      onednn_gemm(dtype, M, N, K, 1.f, A, B, false, c.data(), N);
+      best[dt] = std::min(
+          best[dt], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  return best[0] / best[1];
+}
+
 #endif  // DATTN_WITH_ONEDNN
 
 }  // namespace
+
+double bf16_tile_speedup() {
+#if DATTN_WITH_ONEDNN
+  static std::once_flag once;
+  static double speedup = 0;
+  std::call_once(once, [] {
+    if (!onednn_impl(DType::bf16).empty() && !onednn_impl(DType::f32).empty()) {
+      try {
+        speedup = measure_bf16_speedup();
+      } catch (const dnnl::error&) {
+        speedup = 0;  // bf16 tiles that fail to run are never picked
+      }
+    }
+  });
+  return speedup;
+#else
+  return 0;
+#endif
+}
+
+bool bf16_tiles_pay() {
+  return bf16_tile_speedup() >= kBf16TilesPay;
+}
 
 bool gemm_path_runs(GemmPath p, DType dtype) {
   if (dtype == DType::f16) return false;  // widened to fp32 by the kernels
@@ -172,6 +221,7 @@ GemmPath gemm_path(DType dtype) {
   const int forced = g_forced.load(std::memory_order_relaxed);
   if (forced >= 0)
     return gemm_path_runs(GemmPath(forced), dtype) ? GemmPath(forced) : GemmPath::blas;
+  if (dtype == DType::bf16 && !bf16_tiles_pay()) return GemmPath::blas;
   return gemm_path_runs(GemmPath::onednn, dtype) ? GemmPath::onednn : GemmPath::blas;
 }
 

@@ -4,9 +4,12 @@
 //   onednn  oneDNN's matmul primitive, whose brgemm kernels run fp32 on AVX-512 and bf16 on
 //           AVX512-BF16 or AMX-BF16 (2x the fp32 rate per instruction on the first, more on the
 //           second), accumulating in fp32. Built where CMake finds oneDNN (Debian's libdnnl-dev;
-//           DATTN_WITH_ONEDNN), used where this CPU has a brgemm kernel for the dtype.
-// Measured on one AMD EPYC Zen 4 core, 256x512x128 and 256x128x512 tiles: OpenBLAS sgemm 95-98
-// GFLOP/s, oneDNN fp32 110-113, oneDNN bf16 213-216.
+//           DATTN_WITH_ONEDNN), used where this CPU has a brgemm kernel for the dtype (bf16:
+//           and where it measures faster than widening, bf16_tiles_pay).
+// Measured on one core, 256x512x128 and 256x128x512 tiles: AMD EPYC Zen 4, OpenBLAS sgemm 95-98
+// GFLOP/s, oneDNN fp32 110-113, oneDNN bf16 213-216; Intel Xeon family 6 model 207 (Emerald
+// Rapids, AVX512-BF16, AMX not exposed to the VM), oneDNN fp32 191-195, bf16 88-94: there
+// VDPBF16PS does no more multiply-adds a cycle than two fp32 FMA ports, and bf16 tiles lose.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +26,20 @@ enum class GemmPath { blas, onednn };
 // dtype (probed once; AVX-512 and up).
 bool gemm_path_runs(GemmPath p, DType dtype);
 
-// The path the kernels use for dtype's operands: the fastest that runs (onednn, then blas), or
-// under set_gemm_path the forced path where it runs the dtype and blas where not. For bf16 and
-// fp16, blas means "widen to fp32, then gemm_path(f32)".
+// oneDNN's bf16 tile rate over its fp32 one on this CPU (a 256x512x128 tile, one thread, best
+// of 6 runs each, measured once: a few ms); 0 where either does not run.
+double bf16_tile_speedup();
+// The kernels' bf16 path runs three bf16 tile GEMMs (Q K^T, P_hi V, P_lo V) where the widened
+// one runs two fp32 ones: bf16 tiles pay where bf16_tile_speedup() >= kBf16TilesPay. The two
+// CPUs measured sit far either side (Zen 4 1.9, Emerald Rapids without AMX 0.46), so noise
+// does not flip the choice.
+inline constexpr double kBf16TilesPay = 1.5;
+bool bf16_tiles_pay();
+
+// The path the kernels use for dtype's operands: the fastest that runs (onednn, then blas; for
+// bf16, onednn only where bf16_tiles_pay), or under set_gemm_path the forced path where it runs
+// the dtype and blas where not. For bf16 and fp16, blas means "widen to fp32, then
+// gemm_path(f32)".
 GemmPath gemm_path(DType dtype);
 // Forces the path (tests run each in turn). Not thread-safe against running kernels.
 void set_gemm_path(GemmPath p);

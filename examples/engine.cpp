@@ -3,6 +3,7 @@
 #include "examples/engine.h"
 
 #include <mpi.h>
+#include <omp.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 
 #include "collective/mpi_communicator.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/decode_cpu.h"
 #include "launch/program.h"
 #include "launch/progress.h"
 #include "src/base/error.h"
@@ -89,9 +91,8 @@ double percentile(const std::vector<double>& sorted, double p) {
 // The read bandwidth of roofline_footer: 1 GiB / node_ranks per rank (1 GiB per node: larger
 // than a last-level cache) that the rank's threads wrote; GB/s (1e9 B), the mean over ranks.
 double read_bandwidth_gbs(int node_ranks) {
-  // 16 independent float sums per thread (the compiler keeps them in vector registers; one sum
-  // would be bound by the latency of its adds, not by memory).
-  constexpr int64_t kLanes = 16;
+  // Each thread sums its part with the decode kernel's widest vectors (cpu::read_sum).
+  constexpr int64_t kLanes = 64;
   const int64_t n = (int64_t(1) << 30) / int64_t(sizeof(float)) / kLanes / node_ranks * kLanes;
   std::unique_ptr<float[]> buf(new float[size_t(n)]);
   float* p = buf.get();
@@ -105,13 +106,10 @@ double read_bandwidth_gbs(int node_ranks) {
     double total = 0;
 #pragma omp parallel reduction(+ : total)
     {
-      float acc[kLanes] = {};
-#pragma omp for schedule(static)
-      for (int64_t c = 0; c < n / kLanes; ++c)
-        for (int64_t l = 0; l < kLanes; ++l)
-          acc[l] += p[c * kLanes + l];
-      for (float a : acc)
-        total += a;
+      // The same static split of the n / kLanes blocks as the fill's.
+      const int64_t blocks = n / kLanes, threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+      total += cpu::read_sum(p + b0 * kLanes, (b1 - b0) * kLanes);
     }
     const double s = MPI_Wtime() - t0;
     if (total < 0) std::abort();  // the sum is used, so the loop stays

@@ -709,6 +709,31 @@ void run_split_on(DecodeIsa isa, const DecodeJob& p, int64_t j_begin, int64_t j_
   run_split_baseline(p, j_begin, j_end, ws, o, lse);
 }
 
+// read_sum, its loop built for one instruction set.
+#define DATTN_READ_SUM(name, attributes)                   \
+  attributes float name(const float* p, int64_t n) {       \
+    V16 acc[4] = {};                                       \
+    int64_t i = 0;                                         \
+    for (; i + 64 <= n; i += 64)                           \
+      for (int a = 0; a < 4; ++a) {                        \
+        V16 x;                                             \
+        std::memcpy(&x, p + i + 16 * a, sizeof x);         \
+        acc[a] += x;                                       \
+      }                                                    \
+    float total = 0;                                       \
+    for (; i < n; ++i)                                     \
+      total += p[i];                                       \
+    const V16 sum = (acc[0] + acc[1]) + (acc[2] + acc[3]); \
+    for (int l = 0; l < 16; ++l)                           \
+      total += sum[l];                                     \
+    return total;                                          \
+  }
+DATTN_READ_SUM(read_sum_baseline, )
+#if defined(__x86_64__) && defined(__GNUC__)
+DATTN_READ_SUM(read_sum_v3, __attribute__((target("arch=x86-64-v3"))))
+DATTN_READ_SUM(read_sum_v4, __attribute__((target("arch=x86-64-v4"))))
+#endif
+
 // A float buffer of n elements; running out of memory is a dattn::Error (not std::bad_alloc).
 std::vector<float> buffer(size_t n, const char* what) {
   try {
@@ -759,6 +784,14 @@ void decode_partials(const DecodeJob* jobs, int64_t n_jobs, int64_t splits, floa
 
 DecodeIsa decode_best_isa() {
   return kBestIsa;
+}
+
+float read_sum(const float* p, int64_t n, DecodeIsa isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa >= DecodeIsa::x86_64_v4) return read_sum_v4(p, n);
+  if (isa == DecodeIsa::x86_64_v3) return read_sum_v3(p, n);
+#endif
+  return read_sum_baseline(p, n);
 }
 
 const char* decode_isa_name(DecodeIsa isa) {

@@ -29,6 +29,13 @@ enum class DecodeIsa { baseline, x86_64_v3, x86_64_v4, x86_64_v4_bf16 };
 DecodeIsa decode_best_isa();
 const char* decode_isa_name(DecodeIsa isa);  // "x86-64-v4+bf16", "x86-64-v4", "x86-64-v3", ...
 
+// The sum of n floats, read once on isa's widest vectors (four accumulators, so that the adds'
+// latency never limits the loads): the decode kernel's roofline, a STREAM-style read at the
+// instruction set the kernel runs (the benchmarks' "Read bandwidth"). Built without those
+// vectors the same loop ran at 0.77 of this one's rate (one thread of an Emerald Rapids VM,
+// 11.8 against 15.3 GB/s), so that the kernel seemed to read faster than the machine could.
+float read_sum(const float* p, int64_t n, DecodeIsa isa = decode_best_isa());
+
 // attention_forward's contract (kernels/cpu/attention_cpu.h) for any block: attends blk's query
 // rows to its key rows and merges the result into the running partial out/lse; rows that see no
 // key are unchanged; a NaN or inf that the mask hides from a row never reaches it. Bit-identical

@@ -153,6 +153,29 @@ TEST(DecodeKernel, MatchesFloat64Reference) {
   EXPECT_EQ(cases, 40);
 }
 
+// Head dims off the vector widths (16 lanes on AVX-512, 8 below, then element by element) on
+// every instruction set this CPU has: each loop's tail meets the reference.
+TEST(DecodeKernel, HeadDimsOffTheVectorWidths) {
+  const int64_t dims[][2] = {{72, 40}, {100, 100}, {24, 8}, {5, 3}};
+  int cases = 0;
+  for (int isa = 0; isa <= int(cpu::decode_best_isa()); ++isa)
+    for (const auto& d : dims)
+      for (DType dt : {DType::f32, DType::bf16})
+        for (int64_t sq : {1, 3}) {
+          const DecodeCase c{sq, 1000, sq == 1 ? 4 : 8, 2, d[0], d[1], dt, Mask::causal()};
+          SCOPED_TRACE(c.str() + " isa " + cpu::decode_isa_name(cpu::DecodeIsa(isa)));
+          Problem p = make_problem(c, uint64_t(d[0] + sq));
+          PartialBuf part(c.Sq, c.Hq, c.Dv);
+          cpu::decode_forward(make_block(p, c), part.out.data(), part.lse.data(),
+                              cpu::DecodeIsa(isa));
+          auto ref = naive_reference(p.q, p.k, p.v, p.spec, p.q_pos, p.k_pos);
+          EXPECT_TRUE(matches_reference(part.out.data(), part.lse.data(), 1, c.Sq, c.Hq, c.Dv, ref,
+                                        tolerance_for(c.dtype)));
+          ++cases;
+        }
+  EXPECT_EQ(cases, 16 * (int(cpu::decode_best_isa()) + 1));
+}
+
 // Blocks of many rows (up to the dispatch's limit, GQA 4: 256 rows per kv head) run the chunks'
 // GEMMs, 16-bit chunks widened once; partially masked chunks add P V row by row.
 TEST(DecodeKernel, ManyRowsRunTheGemmPath) {

@@ -1,6 +1,9 @@
 // Support for the multi-rank test binaries: the shared runtimes and the empty-document runs.
 #include "tests/mpi_support.h"
 
+#include <mpi.h>
+
+#include <cstring>
 #include <map>
 #include <memory>
 #include <utility>
@@ -15,6 +18,22 @@ std::map<std::pair<int, bool>, std::unique_ptr<Runtime>>& world_runtimes() {
   return r;
 }
 }  // namespace
+
+std::vector<int> same_host_ranks() {
+  char mine[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0, P = 1;
+  MPI_Get_processor_name(mine, &len);
+  MPI_Comm_size(MPI_COMM_WORLD, &P);
+  std::vector<char> all(size_t(P) * MPI_MAX_PROCESSOR_NAME);
+  MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME,
+                MPI_CHAR, MPI_COMM_WORLD);
+  std::vector<int> out;
+  for (int r = 0; r < P; ++r)
+    if (std::strncmp(all.data() + size_t(r) * MPI_MAX_PROCESSOR_NAME, mine,
+                     MPI_MAX_PROCESSOR_NAME) == 0)
+      out.push_back(r);
+  return out;
+}
 
 Runtime& world_runtime(int ulysses, bool check_finite) {
   auto& rt = world_runtimes()[{ulysses, check_finite}];

@@ -21,6 +21,11 @@ Runtime& world_runtime(int ulysses, bool check_finite = false);
 // Frees them (main() does, before MPI_Finalize).
 void release_world_runtimes();
 
+// The world ranks on this rank's host, in rank order, found by hostname (MPI_Get_processor_name
+// allgathered): what the node split must find, on one machine or on the test cluster's hosts
+// (tests/multinode). Collective over MPI_COMM_WORLD.
+std::vector<int> same_host_ranks();
+
 // The runs of the distributed empty-document tests over P ranks: each case of
 // empty_documents_cases(S), causal and not, with fp32 and bf16 and the layouts varlen (on the
 // case's boundaries), zigzag and contiguous in turn, so that each (mask, layout) and (dtype,

@@ -12,6 +12,7 @@
 
 #include "collective/mpi_communicator.h"
 #include "src/base/error.h"
+#include "tests/mpi_support.h"
 
 namespace dattn {
 namespace {
@@ -374,13 +375,18 @@ TEST_F(Collectives, SplitEvenOdd) {
 }
 
 TEST_F(Collectives, SplitNode) {
-  // Every rank of these tests runs on this one machine.
+  // The ranks that share this rank's hostname: all of them on one machine, a host's on the test
+  // cluster (tests/multinode).
+  const std::vector<int> host = test::same_host_ranks();
   auto node = comm->split_node();
-  EXPECT_EQ(node->size(), size());
-  EXPECT_EQ(node->rank(), rank());
-  uint64_t one = 1, n = 0;
-  node->allreduce_u64(&one, &n, 1, ReduceOp::sum);
-  EXPECT_EQ(n, uint64_t(size()));
+  ASSERT_EQ(node->size(), int(host.size()));
+  EXPECT_EQ(host[size_t(node->rank())], rank());  // in world order
+  uint64_t mine = uint64_t(rank()), sum = 0;
+  node->allreduce_u64(&mine, &sum, 1, ReduceOp::sum);
+  uint64_t expect = 0;
+  for (int r : host)
+    expect += uint64_t(r);
+  EXPECT_EQ(sum, expect);
 }
 
 TEST_F(Collectives, BadPeerThrowsInsteadOfAborting) {

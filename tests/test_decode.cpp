@@ -18,6 +18,7 @@
 #include "src/decode.h"
 #include "src/layout.h"
 #include "src/runtime.h"
+#include "tests/mpi_support.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -456,7 +457,9 @@ std::string counters_str(const ByteCounters& c) {
 TEST(DecodeBytes, MatchModel) {
   const int P = world_size(), me = world_rank();
   Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
-  ASSERT_FALSE(rt.spans_nodes());  // one real node: the flat tree
+  // One machine: the flat tree. On the test cluster's hosts (tests/multinode, the same ranks on
+  // every host) the two-level one over the real nodes, whose model takes their size.
+  const int node_size = rt.spans_nodes() ? int(test::same_host_ranks().size()) : 0;
   for (const Problem& pb : {kF32, kBF16}) {
     const int64_t total = 260;
     const Context ctx(pb, total, 51);
@@ -477,13 +480,14 @@ TEST(DecodeBytes, MatchModel) {
           Partial res = decode(rt, q, cache, s);
           const ByteCounters counters = rt.counters();
           const uint64_t sent = counters.data_bytes();
-          EXPECT_EQ(sent, decode_send_bytes(s, cache, s_q, 0, me)) << counters_str(counters);
+          EXPECT_EQ(sent, decode_send_bytes(s, cache, s_q, node_size, me))
+              << counters_str(counters);
           if (s == DecodeStrategy::tree) {
             tree_bytes.push_back(sent);
             // Flat tree: max-allreduce of lse, then sum-allreduce of the packed [out | sum w].
             const uint64_t closed =
                 uint64_t(pb.B * pb.Hq * s_q) * 4 + uint64_t(pb.B * s_q * pb.Hq * (pb.Dv + 1)) * 4;
-            if (P >= 2) {
+            if (P >= 2 && node_size == 0) {
               EXPECT_EQ(sent, closed) << counters_str(counters);
             }
           }
@@ -550,6 +554,50 @@ TEST(DecodeTwoLevelTree, MatchesFlatTree) {
         EXPECT_TRUE(test::matches_reference(two.out.ptr<float>(), two.lse.ptr<float>(), pb.B, s_q,
                                             pb.Hq, pb.Dv, r64, test::tolerance_for(pb.dtype)));
       }
+    }
+  }
+}
+
+// On real nodes (the test cluster's hosts, tests/multinode): the tree reduces inside each host
+// and only the node leaders' allreduces cross hosts, each a flat tree's payload (the max of the
+// lse, then the packed [out | sum w]); the result equals the flat tree's (one declared node).
+TEST(DecodeTwoLevelTree, RealNodesCrossHostsOnlyBetweenLeaders) {
+  const int P = world_size(), me = world_rank();
+  Runtime rt = Runtime::from_mpi(MPI_COMM_WORLD, {});
+  if (!rt.spans_nodes()) GTEST_SKIP() << "every rank on one node (run on tests/multinode's hosts)";
+  const std::vector<int> host = test::same_host_ranks();
+  ASSERT_EQ(rt.node().size(), int(host.size()));
+  const bool leader = host.front() == me;
+  EXPECT_EQ(rt.node().rank() == 0, leader);
+  RuntimeOptions one_node;
+  one_node.node_size = P;
+  Runtime flat = Runtime::from_mpi(MPI_COMM_WORLD, one_node);
+  ASSERT_FALSE(flat.spans_nodes());
+  for (const Problem& pb : {kF32, kBF16}) {
+    const int64_t S0 = 301, total = S0 + 8;
+    const Context ctx(pb, total, 71);
+    KvCache cache =
+        prefilled_cache(pb, ctx, Layout::zigzag(S0, P), P, me, total, Placement::round_robin);
+    for (int64_t s_q : {1, 4}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(pb.dtype) << " S_q " << s_q << " rank " << me
+                                      << " of " << P << (leader ? " (leader)" : ""));
+      append_next(cache, ctx, s_q);
+      const Tensor q = test::random_tensor({pb.B, s_q, pb.Hq, pb.D}, pb.dtype, 72);
+      const Partial ref = decode(flat, q, cache, DecodeStrategy::tree);
+      rt.reset_counters();
+      const Partial two = decode(rt, q, cache, DecodeStrategy::tree);
+      const uint64_t across = rt.node_leaders().counters().data_bytes();
+      const uint64_t payload =
+          uint64_t(pb.B * pb.Hq * s_q) * 4 + uint64_t(pb.B * s_q * pb.Hq * (pb.Dv + 1)) * 4;
+      EXPECT_EQ(across, leader ? payload : 0u) << counters_str(rt.counters());
+      EXPECT_EQ(rt.counters().data_bytes(),
+                decode_send_bytes(DecodeStrategy::tree, cache, s_q, int(host.size()), me));
+      ASSERT_EQ(two.out.numel(), ref.out.numel());
+      for (const auto& [a, b] : {std::pair{&two.out, &ref.out}, {&two.lse, &ref.lse}})
+        for (int64_t i = 0; i < a->numel(); ++i) {
+          const double x = a->ptr<float>()[i], y = b->ptr<float>()[i];
+          ASSERT_LE(std::fabs(x - y), 1e-6 * (1 + std::fabs(y))) << "index " << i;
+        }
     }
   }
 }

@@ -80,6 +80,10 @@ class Communicator {
   // group: see NcclCommunicator), so that they overlap the work the caller queues next; MPI's
   // started at isend/irecv already. The requests stay pending until wait.
   virtual void start() {}
+  // Moves the pending operations along without waiting (MPI: one MPI_Iprobe, which runs Open
+  // MPI's progress engine: its TCP transport sends and receives only inside MPI calls). The ring
+  // calls it from inside the kernel, between tiles (kernels/cpu/progress.h). No-op elsewhere.
+  virtual void progress() {}
   virtual void wait(RequestPtr& request) = 0;  // completes and releases; null is a no-op
   // Completes and releases every request (nulls are skipped), then clears the vector. A backend
   // may wait on them together (MPI: one deadline for all, see MpiCommunicator).
@@ -158,6 +162,7 @@ class InFlight {
 
   void add(RequestPtr request) { requests_.push_back(std::move(request)); }
   void wait() { comm_.wait_all(requests_); }  // completes every request added so far
+  bool empty() const { return requests_.empty(); }
 
  private:
   Communicator& comm_;

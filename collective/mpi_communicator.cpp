@@ -278,6 +278,11 @@ RequestPtr MpiCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
   return req;
 }
 
+void MpiCommunicator::progress() {
+  int flag = 0;
+  DATTN_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE));
+}
+
 void MpiCommunicator::wait(RequestPtr& request) {
   if (!request) return;
   std::vector<RequestPtr> one;

@@ -54,6 +54,7 @@ class MpiCommunicator final : public Communicator {
 
   RequestPtr isend(const void* buf, size_t bytes, int peer, int tag) override;
   RequestPtr irecv(void* buf, size_t bytes, int peer, int tag) override;
+  void progress() override;
   void wait(RequestPtr& request) override;
   void wait_all(std::vector<RequestPtr>& requests) override;
   void sendrecv(const void* send_buf, size_t send_bytes, int dest, void* recv_buf,

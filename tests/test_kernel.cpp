@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/progress.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/merge.h"
 #include "src/attention.h"
@@ -370,6 +372,37 @@ TEST(KernelAccumulation, TwoKeyHalvesEqualOnePass) {
         ASSERT_NEAR(part.out[i], one.out[i], 2e-5 * (1 + std::fabs(one.out[i]))) << i;
     }
   }
+}
+
+// The progress hook (kernels/cpu/progress.h): the calling thread calls it between its key tiles
+// while a ProgressScope sets it, and not after; the result is the same bits as without it.
+TEST(KernelProgressHook, CalledBetweenTilesOnTheCallingThread) {
+  KernelCase c{"hook", 1, 600, 1500, 4, 2, 64, 0, true, DType::f32};  // 3 query x 3 key tiles
+  Problem p = make_problem(c, 9);
+  struct Count {
+    std::thread::id caller = std::this_thread::get_id();
+    int calls = 0, elsewhere = 0;
+  } count;
+  const cpu::ProgressHook hook{[](void* arg) {
+                                 auto* n = static_cast<Count*>(arg);
+                                 if (std::this_thread::get_id() == n->caller)
+                                   ++n->calls;
+                                 else
+                                   ++n->elsewhere;
+                               },
+                               &count};
+  PartialBuf with(p), without(p);
+  {
+    const cpu::ProgressScope scope(hook);
+    cpu::attention_forward(make_block(p), with.out.data(), with.lse.data());
+  }
+  EXPECT_GE(count.calls, 1);
+  EXPECT_EQ(count.elsewhere, 0);
+  const int calls = count.calls;
+  cpu::attention_forward(make_block(p), without.out.data(), without.lse.data());
+  EXPECT_EQ(count.calls, calls);  // the scope ended: no hook
+  EXPECT_EQ(std::memcmp(with.out.data(), without.out.data(), with.out.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(with.lse.data(), without.lse.data(), with.lse.size() * sizeof(float)), 0);
 }
 
 TEST(KernelAccumulation, ThreeUnevenBlocksCausalBf16) {

@@ -26,6 +26,7 @@
 #include "kernels/cpu/decode_cpu.h"
 #include "kernels/cpu/finite.h"
 #include "kernels/cpu/first_error.h"
+#include "kernels/cpu/progress.h"
 #include "kernels/cpu/tile_gemm.h"
 #include "kernels/cpu/tile_mask.h"
 #include "kernels/cpu/vec_math.h"
@@ -222,6 +223,8 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
     return;
 
   const Tiles tiles(blk.dtype);
+  // Called by the calling thread (OpenMP's master, thread 0) after each of its key tiles.
+  const ProgressHook progress = progress_hook();
   // Each thread runs single-threaded BLAS on its own tiles.
   openblas_set_num_threads(1);
 
@@ -270,6 +273,7 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
         bk = hi - lo;
         cover = cover_of();
       }
+      if (progress.fn != nullptr && omp_get_thread_num() == 0) progress();
       const GemmOperand K =
           tiles.rows(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0, bk, ws.k);
       const GemmOperand V =

@@ -6,8 +6,11 @@
 // future blocks are neither computed nor, where no later rank needs them, sent.
 // The same code runs on host and GPU tensors: buffers are allocated on q's device and attend_runs
 // picks the kernel by it.
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
+#include "kernels/cpu/progress.h"
 #include "src/base/error.h"
 #include "src/models.h"
 #include "src/strategies/strategies.h"
@@ -17,6 +20,17 @@ namespace dattn {
 namespace {
 constexpr int kTagK = 101;
 constexpr int kTagV = 102;
+
+// The CPU kernel's progress hook while a step's messages are in flight: comm.progress() between
+// tiles. DATTN_RING_PROGRESS=0 leaves it out (the overlap benchmark's comparison).
+cpu::ProgressHook step_progress(Communicator& comm, bool messages) {
+  static const bool off = [] {
+    const char* env = std::getenv("DATTN_RING_PROGRESS");
+    return env != nullptr && std::strcmp(env, "0") == 0;
+  }();
+  if (!messages || off) return {};
+  return {[](void* c) { static_cast<Communicator*>(c)->progress(); }, &comm};
+}
 }  // namespace
 
 Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor& k,
@@ -59,9 +73,11 @@ Partial ring_attention_forward(Communicator& comm, const Tensor& q, const Tensor
     // 2. Attend our queries to the block we hold, overlapped with the messages (started first:
     // a backend that defers them, NCCL, issues them now).
     comm.start();
-    if (holding && layout.any_visible(spec.mask, me, origin))
+    if (holding && layout.any_visible(spec.mask, me, origin)) {
+      const cpu::ProgressScope progress(step_progress(comm, !pending.empty()));
       attend_runs(q, layout.runs(me), cur_k, cur_v, layout.local_len(origin), layout.runs(origin),
                   spec, res);
+    }
     // 3. The received block is the next step's.
     pending.wait();
     holding = receive;

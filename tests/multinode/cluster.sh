@@ -7,8 +7,9 @@
 # (ranks 0..S-1 on node0, the next S on node1, ...) and starts each host's ranks through
 # netns_agent.sh (the launch agent, in place of ssh).
 #   bash tests/multinode/cluster.sh [--hosts N] [--slots S] [--rate R] [--delay D] -- COMMAND...
-# --hosts 2, --slots 2 (ranks per host) by default; --rate (e.g. 10gbit, 1gbit) and --delay (e.g.
-# 20us) shape every host's link with tc netem, both directions. The namespaces are new, so the
+# --hosts 2, --slots 2 (ranks per host) by default; --rate (e.g. 10gbit, 1gbit: tc tbf) and
+# --delay (e.g. 20us: tc netem, which some kernels lack) shape what every host sends (on its eth0),
+# so each direction of a link once. The namespaces are new, so the
 # machine's own network is untouched and the hosts reach nothing but each other; a trap removes
 # them on any exit, with every process still inside. Exits with COMMAND's status, or 77 with the
 # reason where namespaces cannot be made (not root, no iproute2 or unshare).
@@ -35,6 +36,13 @@ skip() { echo "cluster.sh: skipped, $*"; exit 77; }
 command -v ip >/dev/null || skip "no ip (iproute2)"
 command -v unshare >/dev/null || skip "no unshare (util-linux)"
 if [[ -n $rate$delay ]]; then command -v tc >/dev/null || skip "no tc (iproute2) for --rate/--delay"; fi
+if [[ -n $rate ]]; then
+  [[ $rate =~ ^([1-9][0-9]*)(k|m|g)bit$ ]] ||
+    { echo "cluster.sh: invalid --rate $rate (expected e.g. 500mbit, 1gbit, 10gbit)" >&2; exit 2; }
+  declare -A unit=([k]=1000 [m]=1000000 [g]=1000000000)
+  burst=$((BASH_REMATCH[1] * unit[${BASH_REMATCH[2]}] / 8 / 1000))
+  ((burst >= 16384)) || burst=16384
+fi
 
 # Names unique to this run, so that clusters of tests running at once do not meet.
 prefix=dattn$$x
@@ -69,10 +77,16 @@ for ((i = 0; i < hosts; ++i)); do
   ip -n "$sw" link set "p$i" up
   ip -n "$ns" addr add "10.213.0.$((i + 1))/24" dev eth0
   ip -n "$ns" link set eth0 up
-  if [[ -n $rate$delay ]]; then
-    netem=(${delay:+delay "$delay"} ${rate:+rate "$rate"})
-    ip netns exec "$ns" tc qdisc add dev eth0 root netem "${netem[@]}"
-    ip netns exec "$sw" tc qdisc add dev "p$i" root netem "${netem[@]}"
+  # What host i sends: a token bucket for the rate (sch_tbf); a delay needs netem (sch_netem),
+  # with the rate then netem's own. Kernels without the module refuse: skip, saying so.
+  if [[ -n $delay ]]; then
+    ip netns exec "$ns" tc qdisc add dev eth0 root netem delay "$delay" ${rate:+rate "$rate"} ||
+      skip "tc netem (--delay) is not in this kernel (no sch_netem)"
+  elif [[ -n $rate ]]; then
+    # The bucket holds 1 ms of the rate (at least 16 KiB): a larger one lets the start of each
+    # message through unshaped.
+    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 100ms ||
+      skip "tc tbf (--rate) is not in this kernel (no sch_tbf)"
   fi
   echo "10.213.0.$((i + 1)) slots=$slots" >>"$state/hostfile"
 done
@@ -89,6 +103,11 @@ export OMPI_MCA_hwloc_base_binding_policy=none
 export OMPI_MCA_rmaps_base_oversubscribe=0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export DATTN_CLUSTER_HOSTS=$hosts DATTN_CLUSTER_SLOTS=$slots
+# What the build found this machine needs (OPENBLAS_CORETYPE where OpenBLAS does not know the
+# CPU), as launch/mpirun.sh reads it.
+env_file=${DATTN_BUILD_DIR:-$(dirname "$(dirname "$here")")/build}/dattn-env.sh
+# shellcheck source=/dev/null
+[[ -f $env_file ]] && source "$env_file"
 rc=0
 ip netns exec "${prefix}h0" unshare --uts bash -c 'hostname node0 && exec "$@"' cluster "$@" || rc=$?
 exit "$rc"

@@ -53,6 +53,17 @@ double allreduce_sum(double v) {
   return allreduce(v, MPI_SUM);
 }
 
+int node_ranks() {
+  MPI_Comm node;
+  DATTN_MPI_CHECK(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int n = 1;
+  DATTN_MPI_CHECK(MPI_Comm_size(node, &n));
+  DATTN_MPI_CHECK(MPI_Comm_free(&node));
+  DATTN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  return n;
+}
+
 std::string verdict(bool is_target, bool met, const char* otherwise) {
   return !is_target ? otherwise : met ? ": met" : ": NOT met";
 }

@@ -235,6 +235,9 @@ double allreduce_max(double v);
 uint64_t allreduce_max(uint64_t v);
 uint64_t allreduce_sum(uint64_t v);
 double allreduce_sum(double v);
+// The fewest ranks of MPI_COMM_WORLD that share a node (MPI_Comm_split_type), the same on every
+// rank. Collective.
+int node_ranks();
 // The relative L2 error ||got - ref|| / ||ref|| (||got - ref|| when ref is 0) of elements on
 // every rank: add() each of this rank's, then reduced() (collective).
 struct RelL2 {

@@ -45,8 +45,10 @@ class Prefill final : public Workload {
       ("strategy,a", po::value(&strategy_name_)->default_value(strategy_name_),
        "ring, ulysses (Ulysses degree = the ranks) or hybrid (Ulysses in groups of -u, ring "
        "across)")
-      ("ulysses-degree,u", po::value(&ulysses_)->default_value(ulysses_),
-       "Ulysses degree U of --strategy hybrid (divides the ranks; a multiple or divisor of --kv-heads)")
+      ("ulysses-degree,u", po::value(&ulysses_arg_)->default_value(ulysses_arg_),
+       "Ulysses degree U of --strategy hybrid (divides the ranks; a multiple or divisor of "
+       "--kv-heads); node: the cp ranks on one node, so that Ulysses stays inside the nodes and "
+       "the ring runs across them")
       ("backward,B", po::bool_switch(&backward_),
        "time attention_backward (after one forward; 2.5x its FLOPs, "
        "attention_backward_send_bytes); --check checks the forward")
@@ -85,6 +87,17 @@ class Prefill final : public Workload {
     const int64_t G = shape_.kv_heads / T;
     const char* kv_what = T > 1 ? "--kv-heads / --tp" : "--kv-heads";
     const bool u_given = !vm["ulysses-degree"].defaulted();
+    if (ulysses_arg_ == "node") {
+      require_option(!e.launch.dry_run || e.launch.world_size == 0, "--ulysses-degree", "node",
+                     "a number with --world-size (a plan has no nodes to count)");
+      // tp is the fastest rank index: a node of N ranks holds N / tp ranks of each cp group.
+      ulysses_ = std::max(1, node_ranks() / T);
+    } else {
+      const auto u = parse_int_list(ulysses_arg_);
+      require_option(u && u->size() == 1 && (*u)[0] >= 1 && (*u)[0] <= INT32_MAX,
+                     "--ulysses-degree", ulysses_arg_, ">= 1, or node");
+      ulysses_ = int((*u)[0]);
+    }
     require_option(ulysses_ >= 1, "--ulysses-degree", ulysses_, ">= 1");
     if (strategy_ == Strategy::ring) {
       require_option(!u_given || ulysses_ == 1, "--ulysses-degree", ulysses_,
@@ -384,6 +397,7 @@ class Prefill final : public Workload {
   double softcap_ = 0;
   ProblemOptions problem_;
   Strategy strategy_ = Strategy::ring;
+  std::string ulysses_arg_ = "1";
   int ulysses_ = 1;
   std::vector<int64_t> seqs_;
   bool backward_ = false;

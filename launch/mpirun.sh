@@ -2,7 +2,9 @@
 # A thin wrapper around Open MPI's mpiexec for small single machines (laptops, CI, containers):
 # it sets the few environment variables such a machine needs, then runs `mpiexec "$@"`.
 #   bash launch/mpirun.sh -n 4 build/bin/dattn-prefill-bench -s 4096 -e 16384
-# Every variable set here is only a default: a value already in the environment wins.
+# Every variable set here is only a default: a value already in the environment wins. Across
+# hosts, name them (--hostfile FILE of "HOST slots=N" lines, or --host): the slots, binding and
+# transports are then yours (e.g. OMPI_MCA_btl=self,vader,tcp; README "Across several hosts").
 set -euo pipefail
 
 # ---------------------------------------------------------------- read the mpiexec arguments

@@ -34,7 +34,7 @@ done
 skip() { echo "cluster.sh: skipped, $*"; exit 77; }
 ((EUID == 0)) || skip "network namespaces need root (this is uid $EUID)"
 command -v ip >/dev/null || skip "no ip (iproute2)"
-command -v unshare >/dev/null || skip "no unshare (util-linux)"
+command -v unshare >/dev/null && command -v nsenter >/dev/null || skip "no unshare or nsenter (util-linux)"
 if [[ -n $rate$delay ]]; then command -v tc >/dev/null || skip "no tc (iproute2) for --rate/--delay"; fi
 if [[ -n $rate ]]; then
   [[ $rate =~ ^([1-9][0-9]*)(k|m|g)bit$ ]] ||
@@ -109,5 +109,8 @@ env_file=${DATTN_BUILD_DIR:-$(dirname "$(dirname "$here")")/build}/dattn-env.sh
 # shellcheck source=/dev/null
 [[ -f $env_file ]] && source "$env_file"
 rc=0
-ip netns exec "${prefix}h0" unshare --uts bash -c 'hostname node0 && exec "$@"' cluster "$@" || rc=$?
+# nsenter enters the network namespace alone; ip netns exec would also mount a /sys of its own,
+# without the cgroup file systems (slurmd needs them: tests/slurm/slurm_test.sh).
+nsenter --net="/run/netns/${prefix}h0" unshare --uts bash -c 'hostname node0 && exec "$@"' cluster \
+  "$@" || rc=$?
 exit "$rc"

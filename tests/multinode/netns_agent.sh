@@ -9,5 +9,5 @@ case $host in
   node*) i=${host#node} ;;
   *) echo "netns_agent.sh: unknown host $host (expected 10.213.0.N or nodeN)" >&2; exit 1 ;;
 esac
-exec ip netns exec "${DATTN_CLUSTER_PREFIX:?set by cluster.sh}h$i" unshare --uts \
+exec nsenter --net="/run/netns/${DATTN_CLUSTER_PREFIX:?set by cluster.sh}h$i" unshare --uts \
   sh -c "hostname node$i && $*"

@@ -9,6 +9,9 @@
 # Environment: DATTN_SLURM_TIMEOUT (seconds for cluster start plus jobs, default 100),
 # DATTN_SLURM_KEEP=1 keeps the temporary folder (configuration, logs, job outputs),
 # DATTN_SLURM_SBATCH_ARGS adds sbatch options to both jobs (split at spaces).
+# DATTN_SLURM_HOSTS=N (N >= 2, inside tests/multinode/cluster.sh --hosts N): one slurmd per
+# namespace host (NodeName node0..node{N-1} at 10.213.0.1..N), slurmctld on node0, and one job
+# instead of two: the unedited sbatch script with -N N, 2 tasks a node, its ranks on every host.
 set -euo pipefail
 
 t_start=$EPOCHREALTIME
@@ -68,7 +71,12 @@ dir=$(mktemp -d /tmp/dattn-slurm.XXXXXX)
 chmod 755 "$dir"
 conf=$dir/slurm.conf
 export SLURM_CONF=$conf
-munged_pid='' ctld_pid='' slurmd_pid=''
+munged_pid='' ctld_pid='' slurmd_pid=''  # slurmd_pid: one per host, space-separated
+hosts=${DATTN_SLURM_HOSTS:-1}
+if ((hosts > 1)); then
+  [[ -n ${DATTN_CLUSTER_PREFIX:-} ]] ||
+    fail "DATTN_SLURM_HOSTS=$hosts needs the hosts of tests/multinode/cluster.sh (run inside it)"
+fi
 status_ok=0
 
 # Processes of this cluster other than the daemons (slurmstepd, job scripts, ranks) all carry
@@ -110,7 +118,7 @@ print_diagnostics() {
     timeout 10 squeue -a -o '%i %j %T %r %D %C' 2>&1 | head -20 >&2
     timeout 10 sinfo -N -o '%N %T %c %E' 2>&1 | head -5 >&2
   fi
-  for f in "$dir/slurmctld.log" "$dir/slurmd.log" "$dir/munge/munged.log"; do
+  for f in "$dir/slurmctld.log" "$dir"/slurmd*.log "$dir/munge/munged.log"; do
     [[ -f $f ]] || continue
     echo "---------------- last lines of $f" >&2
     tail -n 25 "$f" >&2
@@ -137,7 +145,7 @@ cleanup() {
     scontrol shutdown >/dev/null 2>&1
   fi
   wait_gone 10 $slurmd_pid $ctld_pid
-  stop_pid "$slurmd_pid"
+  for p in $slurmd_pid; do stop_pid "$p"; done
   stop_pid "$ctld_pid"
   # Leftovers of jobs (slurmstepd outlives slurmd): by process id, TERM then KILL.
   mapfile -t pids < <(cluster_pids)
@@ -207,24 +215,33 @@ until [[ -S $dir/munge/munge.socket.2 ]]; do
   sleep 0.05
 done
 
-ncpu=$(nproc)
+ncpu=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys those
+# One node on localhost, or the cluster's hosts (each sees this machine's CPUs); the slurmd files
+# carry the node's name (%n) where there are several.
+if ((hosts > 1)); then
+  ctld_host="node0(10.213.0.1)" node_names="node[0-$((hosts - 1))]" node_addrs="10.213.0.[1-$hosts]"
+  node_suffix=-%n
+  for ((i = 0; i < hosts; i++)); do mkdir -p "$dir/spool-node$i"; done
+else
+  ctld_host=localhost node_names=localhost node_addrs=127.0.0.1 node_suffix=""
+fi
 mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.9 }' /proc/meminfo)
 write_conf() {
   cat >"$conf" <<EOF
 # One-node Slurm of tests/slurm/slurm_test.sh (temporary).
 ClusterName=dattntest
-SlurmctldHost=localhost
+SlurmctldHost=$ctld_host
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket=$dir/munge/munge.socket.2
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool$node_suffix
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd$node_suffix.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
+SlurmdLogFile=$dir/slurmd$node_suffix.log
 # The PMIx plugin makes its per-step folders (spmix_appdir_UID_JOB.STEP) under TmpFS; job ids
 # restart at 1 in every new cluster, so folders left in /tmp by a killed step would make the next
 # run's steps fail ("File exists").
@@ -240,8 +257,8 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 # Schedule batch jobs at once (the default may hold them up to 3 s).
 SchedulerParameters=batch_sched_delay=0
-NodeName=localhost NodeAddr=127.0.0.1 Sockets=1 CoresPerSocket=$ncpu ThreadsPerCore=1 RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+NodeName=$node_names NodeAddr=$node_addrs Sockets=1 CoresPerSocket=$ncpu ThreadsPerCore=1 RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=$node_names Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -252,16 +269,31 @@ start_daemons() {
   rm -f "$dir"/slurmctld.stdout "$dir"/slurmd.stdout "$dir"/state/*
   slurmctld -D -i -f "$conf" </dev/null >"$dir/slurmctld.stdout" 2>&1 &
   ctld_pid=$!
-  slurmd -D -N localhost -f "$conf" </dev/null >"$dir/slurmd.stdout" 2>&1 &
-  slurmd_pid=$!
-  until [[ $(sinfo -h -n localhost -o %t 2>/dev/null) = idle ]]; do
-    for f in slurmctld slurmd; do
+  if ((hosts > 1)); then
+    slurmd_pid=""
+    # Each in its host: its network, its hostname, and a TmpFS of its own (the PMIx plugin makes
+    # the same step folders there on every node: a mount namespace binds tmp-node<i> over it).
+    # nsenter, not ip netns exec, which mounts a /sys of its own without the cgroup file systems
+    # that slurmd's cgroup plugin reads.
+    for ((i = 0; i < hosts; i++)); do
+      mkdir -p "$dir/tmp-node$i"
+      nsenter --net="/run/netns/${DATTN_CLUSTER_PREFIX}h$i" unshare --uts --mount sh -c \
+        "hostname node$i && mount --bind '$dir/tmp-node$i' '$dir/tmp' && exec slurmd -D -N node$i -f '$conf'" \
+        </dev/null >>"$dir/slurmd.stdout" 2>&1 &
+      slurmd_pid+="$! "
+    done
+  else
+    slurmd -D -N localhost -f "$conf" </dev/null >"$dir/slurmd.stdout" 2>&1 &
+    slurmd_pid=$!
+  fi
+  until [[ $(sinfo -h -o '%t %D' 2>/dev/null) = "idle $hosts" ]]; do
+    for f in slurmctld $slurmd_pid; do
       local pid=$ctld_pid
-      [[ $f = slurmd ]] && pid=$slurmd_pid
+      [[ $f != slurmctld ]] && pid=$f f=slurmd
       kill -0 "$pid" 2>/dev/null && continue
       if grep -q "Address already in use" "$dir/$f.stdout"; then
         say "$f: port $ctld_port/$slurmd_port taken, retrying on others"
-        stop_pid "$slurmd_pid"; stop_pid "$ctld_pid"
+        for p in $slurmd_pid; do stop_pid "$p"; done; stop_pid "$ctld_pid"
         ctld_pid='' slurmd_pid=''
         return 3
       fi
@@ -293,9 +325,12 @@ done
 export DATTN_RUN=$run
 workload=(prefill -s 1024 -e 2048 -n 1 -w 0 -k 1)
 declare -A job_of  # tasks -> job id
-for n in 2 4; do
+tasks=(2 4)
+((hosts > 1)) && tasks=($((2 * hosts)))
+for n in "${tasks[@]}"; do
   extra=()
   ((n > ncpu)) && extra=(--overcommit)
+  ((hosts > 1)) && extra=(--nodes="$hosts" --ntasks-per-node=2)
   read -r -a more <<<"${DATTN_SLURM_SBATCH_ARGS:-}"
   id=$(cd "$dir" && sbatch --parsable --job-name="dattn-np$n" --ntasks="$n" "${extra[@]}" "${more[@]}" \
          --time=5 --output="$dir/%x-%j.out" "$script" "${workload[@]}") ||
@@ -315,7 +350,7 @@ say "jobs done: $(since "$t_phase") s"
 
 # ---------------------------------------------------------------- check
 errors=0
-for n in 2 4; do
+for n in "${tasks[@]}"; do
   j=${job_of[$n]}
   info=$(scontrol -o show job "$j") || fail "scontrol show job $j failed"
   state=$(sed -n 's/.* JobState=\([^ ]*\).*/\1/p' <<<"$info")
@@ -336,6 +371,13 @@ for n in 2 4; do
     grep -Eq '^# Out of bounds values +: 0 OK' "$out" || problems+=("no 'Out of bounds values : 0 OK'")
     # One MPI job of n ranks (not n singletons, as when the PMIx wire-up fails).
     grep -q "^# ranks $n (" "$out" || problems+=("not one MPI job of $n ranks")
+    # Across the hosts: the job had them all, and its ranks ran on every one.
+    if ((hosts > 1)); then
+      grep -q "^# nodes    : $hosts " "$out" || problems+=("not a job of $hosts nodes")
+      for ((i = 0; i < hosts; i++)); do
+        grep -Eq "^# +Rank +[0-9]+ .* on +node$i " "$out" || problems+=("no rank on node$i")
+      done
+    fi
   fi
   if ((${#problems[@]})); then
     errors=$((errors + 1))
@@ -344,6 +386,6 @@ for n in 2 4; do
     say "job $j ($n tasks): COMPLETED, $rows rows, #wrong all 0, out of bounds 0"
   fi
 done
-((errors == 0)) || fail "$errors of 2 jobs failed"
+((errors == 0)) || fail "$errors of ${#tasks[@]} jobs failed"
 status_ok=1
 say "phases: packages $t_packages s, cluster start $t_cluster s, jobs and checks $(since "$t_phase") s"

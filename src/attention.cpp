@@ -121,7 +121,9 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
 
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0, int64_t k_pos0) {
-  check_qkv(q, k, v, spec);
+  const Device device = q.device();  // k and v must be on it too
+  check_qkv(q, k, v, spec, &device);
+  check_attention_limits(device, q.dtype(), spec, q.size(0), -1);
   if (check_finite_env())
     check_local_finite({{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}});
   const AttnSpec plain = spec.without_sinks();
@@ -134,16 +136,17 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 namespace {
 // Checks the forward result and dout of a backward call against q and the spec: fwd.out
-// [B, S_q, H_q, D_v] fp32, fwd.lse [B, H_q, S_q] fp32, dout [B, S_q, H_q, D_v] (any dtype).
+// [B, S_q, H_q, D_v] fp32, fwd.lse [B, H_q, S_q] fp32, dout [B, S_q, H_q, D_v] (any dtype), all on
+// q's device.
 void check_backward_inputs(const Tensor& q, const Partial& fwd, const Tensor& dout,
                            const AttnSpec& spec) {
   const int64_t B = q.size(0), S = q.size(1), H = spec.heads_q, Dv = spec.dim_v();
-  auto check_shape = [](const Tensor& t, const char* name, std::initializer_list<int64_t> want,
-                        const char* layout) {
+  auto check_shape = [&](const Tensor& t, const char* name, std::initializer_list<int64_t> want,
+                         const char* layout) {
     DATTN_CHECK_ARG(t.defined() && t.dim() == int(want.size()), detail::cat(name, " rank"), t.dim(),
                     detail::cat(want.size(), " dimensions ", layout));
-    DATTN_CHECK_ARG(t.device().is_cpu(), detail::cat(name, " device"), t.device().str(),
-                    "cpu (the backward has no CUDA path yet)");
+    DATTN_CHECK_ARG(t.device() == q.device(), detail::cat(name, " device"), t.device().str(),
+                    detail::cat(q.device().str(), " (the device of q)"));
     int d = 0;
     for (int64_t n : want) {
       DATTN_CHECK_ARG(t.size(d) == n, detail::cat(name, " shape"), t.shape_str(),
@@ -192,21 +195,28 @@ Tensor as_f32_tensor(const std::vector<double>& x) {
 Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                                    int64_t q_pos0, int64_t k_pos0) {
-  check_qkv(q, k, v, spec);
+  const Device device = q.device();  // every tensor must be on it
+  check_qkv(q, k, v, spec, &device);
+  check_attention_limits(device, q.dtype(), spec, q.size(0), -1);
   check_backward_inputs(q, fwd, dout, spec);
   if (check_finite_env())
     check_local_finite(
         {{&q, "q", q_pos0}, {&k, "k", k_pos0}, {&v, "v", k_pos0}, {&dout, "dout", q_pos0}});
   const int64_t B = q.size(0), Sq = q.size(1), Sk = k.size(1);
-  Gradients g{Tensor::zeros({B, Sq, spec.heads_q, spec.head_dim}, DType::f32),
-              Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32),
-              Tensor::zeros({B, Sk, spec.heads_kv, spec.dim_v()}, DType::f32)};
+  Gradients g{Tensor::zeros({B, Sq, spec.heads_q, spec.head_dim}, DType::f32, device),
+              Tensor::zeros({B, Sk, spec.heads_kv, spec.head_dim}, DType::f32, device),
+              Tensor::zeros({B, Sk, spec.heads_kv, spec.dim_v()}, DType::f32, device)};
   const Tensor delta = backward_delta(dout, fwd.out);
   // The probabilities come from fwd.lse, which counts the sinks: dq, dk and dv need nothing else.
   backward_runs(q, {Run{0, q_pos0, 1, Sq}}, k.data(), v.data(), Sk, {Run{0, k_pos0, 1, Sk}}, dout,
                 fwd.lse.ptr<float>(), delta.ptr<float>(), spec.without_sinks(), g.dq.ptr<float>(),
                 g.dk.ptr<float>(), g.dv.ptr<float>());
-  if (spec.sinks) g.dsinks = as_f32_tensor(sinks_grad_rows(*spec.sinks, fwd.lse, delta));
+  if (spec.sinks) {  // a sum over rows in float64, on the host (src/partial.h: dsinks is host)
+    const auto host = [](const Tensor& t) {
+      return t.device().is_cpu() ? t : t.to_device(Device::cpu());
+    };
+    g.dsinks = as_f32_tensor(sinks_grad_rows(*spec.sinks, host(fwd.lse), host(delta)));
+  }
   return g;
 }
 

@@ -44,9 +44,11 @@ Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy = Strategy::ring);
 
-// Attention of one process over whole host tensors (no communication): q at global positions
-// q_pos0.., k/v at k_pos0... It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q,
-// k, v (and dout, attention_local_backward) for NaN and inf.
+// Attention of one process over whole tensors (no communication), on the device that holds them
+// (host tensors: the CPU kernel; cuda tensors, bf16/fp16 and band or document masks: the CUDA
+// kernel, asynchronous on the default stream): q at global positions q_pos0.., k/v at k_pos0...
+// It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q, k, v (and dout,
+// attention_local_backward) for NaN and inf.
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0 = 0, int64_t k_pos0 = 0);
 
@@ -57,14 +59,16 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
 // call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out
 // ([B, S_local, H_q, D_v], any storage dtype). Probabilities are recomputed blockwise from lse;
 // nothing of size S x S is stored. Gradients accumulate in fp32 in a fixed order, so repeated
-// calls give bit-identical results. Host tensors on a CPU Runtime only: the backward has no CUDA
-// kernel, and a GPU Runtime's communicators (NCCL) move device memory only; cuda tensors or a
-// GPU Runtime throw on every rank before any data moves.
+// calls give bit-identical results. Host tensors on a CPU Runtime only: the backward schedules
+// (ring, Ulysses, hybrid) keep their buffers in host memory, and a GPU Runtime's communicators
+// (NCCL) move device memory only; cuda tensors or a GPU Runtime throw on every rank before any
+// data moves. (attention_local_backward runs on either device.)
 Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                              const Layout& layout, Strategy strategy = Strategy::ring);
 
-// The backward of attention_local: one process, whole tensors, the same positions.
+// The backward of attention_local: one process, whole tensors, the same positions, on their device
+// (fwd and dout there too; the gradients, fp32, come back there).
 Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                                    int64_t q_pos0 = 0, int64_t k_pos0 = 0);

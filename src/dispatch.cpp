@@ -17,6 +17,7 @@
 #include "kernels/movement/movement.h"
 #include "src/base/error.h"
 #if DATTN_WITH_CUDA
+#include "kernels/cuda/attention_backward_cuda.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/decode_cuda.h"
 #include "kernels/cuda/mla_decode_cuda.h"
@@ -286,6 +287,18 @@ void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
 }
 
 #if DATTN_WITH_CUDA
+// The mask's document boundaries in device memory, as the CUDA kernels read them (one copy per
+// call; undefined without documents). Freed with the last copy of the tensor, in the order of the
+// default stream (src/base/tensor.h): after the kernels queued before, without a host wait.
+Tensor device_cu_seqlens(const Mask& mask, Device device) {
+  if (!mask.documents) return {};
+  const std::vector<int64_t>& docs = *mask.documents;
+  Tensor cu = byte_buffer(docs.size() * sizeof(int64_t), device);
+  DATTN_CUDA_CHECK(
+      cudaMemcpy(cu.data(), docs.data(), docs.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  return cu;
+}
+
 // attend_runs on a GPU, on the legacy default stream (the header says why). A kernel queued after
 // Communicator::start() overlaps the messages of its own step (src/strategies/ring.cpp). A run of
 // few query rows (a decode step, star's phase 2) goes to the split-KV decode kernel, which fills
@@ -294,14 +307,7 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
                       int64_t k_rows, const std::vector<Run>& k_runs, const AttnSpec& spec,
                       Partial& res) {
   auto blk = make_block<cuda::AttentionBlock>(q, k, v, k_rows, spec);
-  // The kernel reads document boundaries from device memory: one copy per call.
-  Tensor cu_seqlens;
-  if (spec.mask.documents) {
-    const std::vector<int64_t>& docs = *spec.mask.documents;
-    cu_seqlens = byte_buffer(docs.size() * sizeof(int64_t), q.device());
-    DATTN_CUDA_CHECK(cudaMemcpy(cu_seqlens.data(), docs.data(), docs.size() * sizeof(int64_t),
-                                cudaMemcpyHostToDevice));
-  }
+  const Tensor cu_seqlens = device_cu_seqlens(spec.mask, q.device());
   cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
   for (const Run& qr : q_runs) {
     const bool decode = cuda::decode_kernel_fits(qr.length);
@@ -318,11 +324,6 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
 }
 #endif
 
-// The host-only kernels (the backward): an error naming the device of a GPU tensor.
-void require_host(const Tensor& t, const char* name, const char* what) {
-  DATTN_CHECK_ARG(t.device().is_cpu(), detail::cat(name, " device"), t.device().str(),
-                  detail::cat("cpu (", what, " has no CUDA kernel)"));
-}
 }  // namespace
 
 void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
@@ -356,7 +357,22 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
                    int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
                    const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
                    float* dv) {
-  require_host(q, "q", "the backward");
+  if (!q.device().is_cpu()) {
+#if DATTN_WITH_CUDA
+    auto blk = make_block<cuda::AttentionBlock>(q, k, v, k_rows, spec);
+    const Tensor cu_seqlens = device_cu_seqlens(spec.mask, q.device());
+    cuda::set_mask(blk, spec.mask, static_cast<const int64_t*>(cu_seqlens.data()));
+    for (const Run& qr : q_runs) {
+      for (const Run& kr : k_runs) {
+        set_runs(blk, qr, kr);
+        cuda::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv, nullptr);
+      }
+    }
+    return;
+#else
+    no_cuda(q.device());
+#endif
+  }
   auto blk = make_block<cpu::AttentionBlock>(q, k, v, k_rows, spec);
   for (const Run& qr : q_runs) {
     for (const Run& kr : k_runs) {
@@ -367,9 +383,17 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
 }
 
 Tensor backward_delta(const Tensor& dout, const Tensor& out) {
-  require_host(dout, "dout", "the backward");
   const int64_t B = out.size(0), S = out.size(1), H = out.size(2);
-  Tensor delta = Tensor::empty({B, H, S}, DType::f32);
+  Tensor delta = Tensor::empty({B, H, S}, DType::f32, out.device());
+  if (!out.device().is_cpu()) {
+#if DATTN_WITH_CUDA
+    cuda::attention_backward_delta(dout.data(), dout.dtype(), out.ptr<float>(), B, S, H,
+                                   out.size(3), delta.ptr<float>(), nullptr);
+    return delta;
+#else
+    no_cuda(out.device());
+#endif
+  }
   cpu::attention_backward_delta(dout.data(), dout.dtype(), out.ptr<float>(), B, S, H, out.size(3),
                                 delta.ptr<float>());
   return delta;

@@ -71,15 +71,15 @@ void attend_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k,
 
 // The backward of attend_runs: adds the gradients of q's rows q_runs against the K/V block's rows
 // k_runs to dq [B, S_q, H_q, D] and to the block's dk [B, k_rows, H_kv, D], dv (fp32). dout is
-// [B, S_q, H_q, D_v] in its own dtype; lse and delta fp32 [B, H_q, S_q]. Host tensors only (the
-// backward has no CUDA kernel).
+// [B, S_q, H_q, D_v] in its own dtype; lse and delta fp32 [B, H_q, S_q]. Every pointer on q's
+// device: the CPU kernel, or the CUDA one (kernels/cuda/attention_backward_cuda.h, asynchronous).
 void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* k, const void* v,
                    int64_t k_rows, const std::vector<Run>& k_runs, const Tensor& dout,
                    const float* lse, const float* delta, const AttnSpec& spec, float* dq, float* dk,
                    float* dv);
 
 // delta [B, H_q, S] fp32 = rowsum(dout * out) of the backward: dout [B, S, H_q, D_v] in any dtype,
-// out fp32 of the same shape. Host tensors only.
+// out fp32 of the same shape; on out's device.
 Tensor backward_delta(const Tensor& dout, const Tensor& out);
 
 // An empty partial for q, on q's device: out = 0 [B, S, H_q, D_v], lse = -inf [B, H_q, S].

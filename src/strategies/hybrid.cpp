@@ -218,7 +218,8 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
   const int64_t Sg = m.row0.back();
-  // Host tensors only: the backward has no CUDA kernel (validation rejects cuda tensors).
+  // Host tensors only: this schedule's buffers are host memory (validation rejects cuda tensors
+  // and a GPU Runtime).
 
   // 1. The forward's exchange of Q, K, V, plus dout (fp32) and the rows' lse and delta.
   Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -256,6 +257,111 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   const Partial res = attention(checked, qd, kd, vd, spec, layout, Strategy::ring);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(res.out.device(), dev);
+}
+
+// max |got - want| <= rel * max |want| + abs over a gradient (host fp32 tensors, or float64
+// values); NaN or inf fails.
+testing::AssertionResult grad_close(const char* name, const Tensor& got,
+                                    const std::vector<double>& want, double rel, double abs) {
+  double max_want = 0, max_err = 0;
+  for (double w : want)
+    max_want = std::max(max_want, std::fabs(w));
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(int64_t(i));
+    if (!std::isfinite(g)) return testing::AssertionFailure() << name << "[" << i << "] = " << g;
+    max_err = std::max(max_err, std::fabs(g - want[i]));
+  }
+  if (max_err <= rel * max_want + abs) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << name << ": max |err| " << max_err << " > " << rel
+                                     << " * max |want| " << max_want << " + " << abs;
+}
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    v[size_t(i)] = t.get(i);
+  return v;
+}
+
+// attention_local and attention_local_backward on device tensors (one process, no Runtime): the
+// CUDA forward against the float64 reference; the CUDA backward from the CPU forward's partial
+// against the CPU backward from the same partial (both fp32 kernels, within the CPU backward
+// test's bound of float64); and end to end, the device's backward from the device's forward
+// against the float64 gradients, within the forward's bf16/fp16 rounding of out (delta is
+// rowsum(dout * out); measured at most 4.5e-4 of max |grad| for dq and dk, 1e-6 for dv, which
+// delta does not enter). With sinks, dsinks (on the host) too.
+TEST_F(GpuAttention, LocalForwardAndBackwardOnDeviceTensors) {
+  const Device dev = gpu().device();
+  struct Local {
+    const char* name;
+    Mask mask;
+    DType dtype;
+    bool sinks;
+    int64_t q_pos0;
+  };
+  const Local cases[] = {
+      {"causal", Mask::causal(), DType::bf16, false, 60},
+      {"documents", Mask::document({0, 30, 30, 100, 150}, true), DType::f16, false, 0},
+      {"window, sinks", Mask::window(40), DType::bf16, true, 60}};
+  for (const Local& c : cases) {
+    SCOPED_TRACE(c.name);
+    AttnSpec spec = make_spec(MaskKind::none);
+    spec.mask = c.mask;
+    if (c.sinks) spec.sinks = test::sinks_for(spec.heads_q);
+    const int64_t B = 2, Sq = 90, Sk = 150, Dv = spec.dim_v();
+    const Tensor q = test::random_tensor({B, Sq, spec.heads_q, kD}, c.dtype, 21);
+    const Tensor k = test::random_tensor({B, Sk, spec.heads_kv, kD}, c.dtype, 22);
+    const Tensor v = test::random_tensor({B, Sk, spec.heads_kv, Dv}, c.dtype, 23);
+    const Tensor dout = test::random_tensor({B, Sq, spec.heads_q, Dv}, c.dtype, 24);
+    const Tensor qd = q.to_device(dev), kd = k.to_device(dev), vd = v.to_device(dev);
+    const Tensor doutd = dout.to_device(dev);
+
+    const Partial fd = attention_local(qd, kd, vd, spec, c.q_pos0);
+    ASSERT_EQ(fd.out.device(), dev);
+    const Partial fdh = to_host(fd);
+    const cpu::ReferenceResult ref = cpu::attention_reference(q, k, v, spec, c.q_pos0);
+    EXPECT_TRUE(test::matches_reference(fdh.out.ptr<float>(), fdh.lse.ptr<float>(), B, Sq,
+                                        spec.heads_q, Dv, ref, kGpuTolerance));
+
+    const Partial fh = attention_local(q, k, v, spec, c.q_pos0);
+    const Gradients gh = attention_local_backward(q, k, v, fh, dout, spec, c.q_pos0);
+    const Partial fh_d{fh.out.to_device(dev), fh.lse.to_device(dev)};
+    const Gradients gd = attention_local_backward(qd, kd, vd, fh_d, doutd, spec, c.q_pos0);
+    ASSERT_EQ(gd.dq.device(), dev);
+    ASSERT_EQ(gd.dk.device(), dev);
+    ASSERT_EQ(gd.dv.device(), dev);
+    EXPECT_TRUE(grad_close("dq", gd.dq.to_device(Device::cpu()), values(gh.dq), 1e-4, 1e-5));
+    EXPECT_TRUE(grad_close("dk", gd.dk.to_device(Device::cpu()), values(gh.dk), 1e-4, 1e-5));
+    EXPECT_TRUE(grad_close("dv", gd.dv.to_device(Device::cpu()), values(gh.dv), 1e-4, 1e-5));
+    if (c.sinks) {
+      ASSERT_TRUE(gd.dsinks.defined());
+      EXPECT_TRUE(gd.dsinks.device().is_cpu());
+      EXPECT_TRUE(grad_close("dsinks", gd.dsinks, values(gh.dsinks), 1e-5, 1e-6));
+    }
+
+    const Gradients ge = attention_local_backward(qd, kd, vd, fd, doutd, spec, c.q_pos0);
+    const cpu::ReferenceGrads want =
+        cpu::attention_backward_reference(q, k, v, dout, spec, c.q_pos0);
+    EXPECT_TRUE(grad_close("dq end to end", ge.dq.to_device(Device::cpu()), want.dq, 3e-3, 1e-5));
+    EXPECT_TRUE(grad_close("dk end to end", ge.dk.to_device(Device::cpu()), want.dk, 3e-3, 1e-5));
+    EXPECT_TRUE(grad_close("dv end to end", ge.dv.to_device(Device::cpu()), want.dv, 3e-3, 1e-5));
+    if (c.sinks) {
+      EXPECT_TRUE(grad_close("dsinks end to end", ge.dsinks, want.dsinks, 3e-3, 1e-5));
+    }
+  }
+  // Tensors on two devices are named before anything runs.
+  const AttnSpec spec = make_spec(MaskKind::causal);
+  const Tensor q = test::random_tensor({1, 16, spec.heads_q, kD}, kDtype, 31);
+  const Tensor k = test::random_tensor({1, 16, spec.heads_kv, kD}, kDtype, 32);
+  const Partial fd = attention_local(q.to_device(dev), k.to_device(dev), k.to_device(dev), spec);
+  EXPECT_TRUE(test::throws_naming(
+      [&] { (void)attention_local(q.to_device(dev), k, k.to_device(dev), spec); }, {"k device"}));
+  EXPECT_TRUE(test::throws_naming(
+      [&] {
+        (void)attention_local_backward(q.to_device(dev), k.to_device(dev), k.to_device(dev), fd,
+                                       test::random_tensor({1, 16, spec.heads_q, kD}, kDtype, 33),
+                                       spec);
+      },
+      {"dout device"}));
 }
 
 // dispatch and undispatch on device tensors over a GPU Runtime's cp group: the shard and the

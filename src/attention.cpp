@@ -226,19 +226,22 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   Communicator& comm = rt.cp();
   const int U = ulysses_degree_of(rt, strategy);
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
+  const Device device = rt.device();
   agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
-    // Its kernels and schedules run on host memory, which a GPU Runtime's cp group (NCCL) cannot
-    // move: on hardware the first send would fault.
-    DATTN_CHECK_ARG(rt.device().is_cpu(), "runtime device", rt.device().str(),
-                    "cpu for attention_backward (the backward runs on the host, and a GPU "
-                    "Runtime's communicators move device memory only)");
-    check_attention_call(comm, q, k, v, spec, layout, strategy, U, nullptr);
+    // On a GPU Runtime the ring schedule runs on device buffers; the Ulysses and hybrid ones keep
+    // host buffers, which its cp group (NCCL) cannot move: on hardware the first send would fault.
+    DATTN_CHECK_ARG(device.is_cpu() || U == 1, "strategy", strategy_name(strategy),
+                    detail::cat("ring for attention_backward on a GPU Runtime (", device.str(),
+                                "): the Ulysses and hybrid backward run on a CPU Runtime only"));
+    check_attention_call(comm, q, k, v, spec, layout, strategy, U, &device);
     check_backward_inputs(q, fwd, dout, spec);
     if (rt.check_finite())
       check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}});
   });
-  // dout in fp32 once: the schedules move and read it as fp32 whatever the storage dtype.
-  const Tensor dout32 = dout.dtype() == DType::f32 ? dout : dout.to(DType::f32);
+  // On the host, dout in fp32 once: the Ulysses and hybrid schedules move and read it as fp32
+  // whatever the storage dtype. The ring schedule never moves dout, and the CUDA kernel reads it
+  // in its own dtype.
+  const Tensor dout32 = dout.dtype() == DType::f32 || !device.is_cpu() ? dout : dout.to(DType::f32);
   const Tensor delta = backward_delta(dout32, fwd.out);
   const float* lse = fwd.lse.ptr<float>();
   // The probabilities come from fwd.lse, which counts the sinks: the schedules need nothing else.
@@ -252,13 +255,20 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
           : hybrid_attention_backward(rt.ulysses_group(), &rt.ring_group(), q, k, v, dout32, lse,
                                       delta.ptr<float>(), plain, layout, comm.rank());
   if (spec.sinks) {
-    // Each rank's rows, then the sum over the cp ranks (every rank gets it).
-    const std::vector<double> mine = sinks_grad_rows(*spec.sinks, fwd.lse, delta);
+    // Each rank's rows (summed on the host), then the sum over the cp ranks (every rank gets it)
+    // in the cp group's memory: on a GPU Runtime through the device, NCCL moving device memory
+    // only. dsinks comes back on the host (src/partial.h).
+    const auto host = [](const Tensor& t) {
+      return t.device().is_cpu() ? t : t.to_device(Device::cpu());
+    };
+    const std::vector<double> mine = sinks_grad_rows(*spec.sinks, host(fwd.lse), host(delta));
     const Tensor part = as_f32_tensor(mine);
     g.dsinks = part;
     if (comm.size() > 1) {
-      g.dsinks = Tensor::empty({int64_t(mine.size())}, DType::f32);
-      comm.allreduce(part.data(), g.dsinks.data(), mine.size(), DType::f32, ReduceOp::sum);
+      const Tensor part_d = device.is_cpu() ? part : part.to_device(device);
+      Tensor sum = Tensor::empty({int64_t(mine.size())}, DType::f32, device);
+      comm.allreduce(part_d.data(), sum.data(), mine.size(), DType::f32, ReduceOp::sum);
+      g.dsinks = host(sum);
     }
   }
   return g;

@@ -50,6 +50,31 @@ void copy_bytes(void* dst, const void* src, size_t bytes, Device device) {
 #endif
 }
 
+void zero_floats(float* p, size_t n, Device device) {
+  if (n == 0) return;
+  if (device.is_cpu()) {
+    std::memset(p, 0, n * sizeof(float));
+    return;
+  }
+#if DATTN_WITH_CUDA
+  DATTN_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), nullptr));
+#else
+  no_cuda(device);
+#endif
+}
+
+void add_floats(float* out, const float* a, const float* b, size_t n, Device device) {
+  if (device.is_cpu()) {
+    movement::host::add_floats(out, a, b, int64_t(n));
+    return;
+  }
+#if DATTN_WITH_CUDA
+  movement::cuda::add_floats(out, a, b, int64_t(n), nullptr);
+#else
+  no_cuda(device);
+#endif
+}
+
 void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, const void* src,
                Device src_device, int64_t src_seq, int64_t src_row0, int64_t batch, int64_t rows,
                size_t row_bytes) {

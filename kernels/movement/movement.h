@@ -35,6 +35,9 @@ namespace dattn::movement {
 // unweigh_partial: out = packed / w and lse = m + log(w) per row (out = 0, lse = -inf where the
 //   summed w is 0): the merge of all ranks' partials after the sum-allreduce.
 //
+// add_floats: out[i] = a[i] + b[i] for i < n (fp32; out may be a or b): the ring backward's
+//   running dK|dV sum.
+//
 // add_sinks: attention sinks joined to a merged partial, in place: per row, with s = sinks[h] (h
 //   the row's head; sinks [heads] fp32, on the same memory as out), lse' = log(exp(lse) + exp(s))
 //   and out *= exp(lse - lse') (a row that saw no key: out = 0, lse' = s).
@@ -56,6 +59,7 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
                      int64_t seq, int64_t heads, int64_t dv);
 void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
                int64_t heads, int64_t dv);
+void add_floats(float* out, const float* a, const float* b, int64_t n);
 }  // namespace host
 
 // Device memory, Thrust's CUDA backend, ordered on `stream` (a cudaStream_t; nullptr: the
@@ -78,6 +82,7 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
                      int64_t seq, int64_t heads, int64_t dv, void* stream);
 void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
                int64_t heads, int64_t dv, void* stream);
+void add_floats(float* out, const float* a, const float* b, int64_t n, void* stream);
 }  // namespace cuda
 
 }  // namespace dattn::movement

@@ -62,6 +62,10 @@ void clear_partial(float* out, int64_t out_n, float* lse, int64_t lse_n, void* s
   clear_partial_with(on(stream), out, out_n, lse, lse_n);
 }
 
+void add_floats(float* out, const float* a, const float* b, int64_t n, void* stream) {
+  add_floats_with(on(stream), out, a, b, n);
+}
+
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv, void* stream) {
   weigh_partial_with(on(stream), packed, out, lse, m, batch, seq, heads, dv);

@@ -86,6 +86,11 @@ void clear_partial(float* out, int64_t out_n, float* lse, int64_t lse_n) {
           [&](const auto& policy) { clear_partial_with(policy, out, out_n, lse, lse_n); });
 }
 
+void add_floats(float* out, const float* a, const float* b, int64_t n) {
+  on_host(size_t(n) * sizeof(float),
+          [&](const auto& policy) { add_floats_with(policy, out, a, b, n); });
+}
+
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv) {
   on_host(size_t(batch * seq * heads * dv) * sizeof(float), [&](const auto& policy) {

@@ -279,6 +279,18 @@ void clear_partial_with(const Policy& policy, float* out, int64_t out_n, float* 
     thrust::for_each_n(policy, thrust::counting_iterator<int64_t>(0), lse_n, StoreMinusInf{lse});
 }
 
+struct AddFloats {
+  float* out;
+  const float *a, *b;
+  DATTN_MOVEMENT_HD void operator()(int64_t i) const { out[i] = a[i] + b[i]; }
+};
+
+template <class Policy>
+void add_floats_with(const Policy& policy, float* out, const float* a, const float* b, int64_t n) {
+  if (n > 0)
+    thrust::for_each_n(policy, thrust::counting_iterator<int64_t>(0), n, AddFloats{out, a, b});
+}
+
 template <class Policy>
 void weigh_partial_with(const Policy& policy, float* packed, const float* out, const float* lse,
                         const float* m, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {

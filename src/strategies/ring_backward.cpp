@@ -16,10 +16,12 @@
 // Determinism: dq sums the steps in step order; a block's dK|dV sums its holders in path order
 // (the received sum plus this rank's contribution, computed into a zeroed buffer). No atomics,
 // so repeated calls give bit-identical gradients.
-#include <cstring>
-#include <vector>
-
+//
+// Every buffer lives on q's device and every step on it goes through the dispatch layer (kernels,
+// zeroing, the running sum, copies), so the same schedule runs on host tensors over MPI and on
+// GPU tensors over NCCL.
 #include "src/base/error.h"
+#include "src/dispatch.h"
 #include "src/models.h"
 #include "src/strategies/strategies.h"
 
@@ -42,8 +44,12 @@ GradBlock split(float* acc, int64_t B, int64_t rows, const AttnSpec& spec) {
 // This rank's finished dK|dV (a whole accumulator of its own block) into the gradients.
 void copy_home(Gradients& g, const float* acc, int64_t B, int64_t Sl, int64_t G, int64_t D,
                int64_t Dv) {
-  std::memcpy(g.dk.data(), acc, size_t(B * Sl * G * D) * sizeof(float));
-  std::memcpy(g.dv.data(), acc + B * Sl * G * D, size_t(B * Sl * G * Dv) * sizeof(float));
+  const Device dev = g.dk.device();
+  copy_bytes(g.dk.data(), acc, size_t(B * Sl * G * D) * sizeof(float), dev);
+  copy_bytes(g.dv.data(), acc + B * Sl * G * D, size_t(B * Sl * G * Dv) * sizeof(float), dev);
+}
+float* floats(Tensor& t) {
+  return t.ptr<float>();
 }
 }  // namespace
 
@@ -60,8 +66,10 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
   auto rows = [&](int origin) { return layout.local_len(origin); };
   auto grad_floats = [&](int origin) { return size_t(B * rows(origin) * grad_row); };
 
-  Gradients g{Tensor::zeros({B, Sl, spec.heads_q, D}, DType::f32),
-              Tensor::zeros({B, Sl, G, D}, DType::f32), Tensor::zeros({B, Sl, G, Dv}, DType::f32)};
+  const Device dev = q.device();
+  Gradients g{Tensor::zeros({B, Sl, spec.heads_q, D}, DType::f32, dev),
+              Tensor::zeros({B, Sl, G, D}, DType::f32, dev),
+              Tensor::zeros({B, Sl, G, Dv}, DType::f32, dev)};
 
   // Where my own block ends its journey: it is held by me + s for s = 0 .. last.
   int last = 0;
@@ -69,19 +77,20 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
     ++last;
 
   const int64_t max_len = layout.max_local_len();
-  std::vector<char> kbuf[2], vbuf[2];
-  std::vector<float> acc_in, acc_out;  // the held block's accumulator: received, passed on
+  const int64_t acc_len = B * max_len * grad_row;
+  Tensor kbuf[2], vbuf[2];
+  Tensor acc_in, acc_out;  // the held block's accumulator: received, passed on
   for (int i = 0; i < 2 && P > 1; ++i) {
-    kbuf[i].resize(size_t(B * max_len) * k_row);
-    vbuf[i].resize(size_t(B * max_len) * v_row);
+    kbuf[i] = byte_buffer(size_t(B * max_len) * k_row, dev);
+    vbuf[i] = byte_buffer(size_t(B * max_len) * v_row, dev);
   }
   if (P > 1) {
-    acc_in.resize(size_t(B * max_len * grad_row));
-    acc_out.resize(acc_in.size());
+    acc_in = Tensor::empty({acc_len}, DType::f32, dev);
+    acc_out = Tensor::empty({acc_len}, DType::f32, dev);
   }
-  std::vector<float> mine(size_t(B * max_len * grad_row));  // this rank's contribution
+  Tensor mine = Tensor::empty({acc_len}, DType::f32, dev);  // this rank's contribution
   // My block's finished gradient, from its last holder (when it left at all).
-  std::vector<float> home(last > 0 ? grad_floats(me) : 0);
+  Tensor home = Tensor::empty({last > 0 ? int64_t(grad_floats(me)) : 0}, DType::f32, dev);
   InFlight pending(comm);  // after the buffers: completed before they go, even on a throw
 
   // The order of issue is NCCL's concern too (it matches a peer's messages in issue order, tags
@@ -114,42 +123,41 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
     if (holding && step > 0)
       pending.add(comm.irecv(acc_in.data(), grad_floats(origin) * sizeof(float), prev, kTagGrad));
     const bool home_now = last > 0 && step == last + 1;
-    if (home_now)
-      pending.add(
-          comm.irecv(home.data(), home.size() * sizeof(float), (me + last) % P, kTagReturn));
+    if (home_now) pending.add(comm.irecv(home.data(), home.nbytes(), (me + last) % P, kTagReturn));
     comm.start();
 
     // 2. This rank's part: dq in place, dK|dV of the held block into `mine` (step 0: straight
     //    into the accumulator that leaves).
     const bool visible = holding && layout.any_visible(spec.mask, me, origin);
     if (holding) {
-      float* target = step == 0 ? (P > 1 ? acc_out.data() : nullptr) : mine.data();
+      float* target = step == 0 ? (P > 1 ? floats(acc_out) : nullptr) : floats(mine);
       if (step == 0 && P == 1) {
         backward_runs(q, layout.runs(me), cur_k, cur_v, rows(origin), layout.runs(origin), dout,
                       lse, delta, spec, g.dq.ptr<float>(), g.dk.ptr<float>(), g.dv.ptr<float>());
       } else if (visible) {
-        std::memset(target, 0, grad_floats(origin) * sizeof(float));
+        zero_floats(target, grad_floats(origin), dev);
         const GradBlock t = split(target, B, rows(origin), spec);
         backward_runs(q, layout.runs(me), cur_k, cur_v, rows(origin), layout.runs(origin), dout,
                       lse, delta, spec, g.dq.ptr<float>(), t.dk, t.dv);
       } else if (step == 0) {
-        std::memset(target, 0, grad_floats(origin) * sizeof(float));
+        zero_floats(target, grad_floats(origin), dev);
       }
     }
     pending.wait();  // this step's K/V and accumulator, and the one that left last step
-    if (home_now) copy_home(g, home.data(), B, Sl, G, D, Dv);
+    if (home_now) copy_home(g, floats(home), B, Sl, G, D, Dv);
 
     // 3. The block's running sum (acc_out is free: its last send completed above), then on
     //    along the ring or home.
     if (holding && P > 1) {
       const size_t n = grad_floats(origin);
-      if (step > 0)
-        for (size_t i = 0; i < n; ++i)
-          acc_out[i] = visible ? acc_in[i] + mine[i] : acc_in[i];
+      if (step > 0 && visible)
+        add_floats(floats(acc_out), floats(acc_in), floats(mine), n, dev);
+      else if (step > 0)
+        copy_bytes(acc_out.data(), acc_in.data(), n * sizeof(float), dev);
       if (forward)
         pending.add(comm.isend(acc_out.data(), n * sizeof(float), next, kTagGrad));
       else if (origin == me)
-        copy_home(g, acc_out.data(), B, Sl, G, D, Dv);
+        copy_home(g, floats(acc_out), B, Sl, G, D, Dv);
       else
         pending.add(comm.isend(acc_out.data(), n * sizeof(float), origin, kTagReturn));
     }
@@ -158,10 +166,9 @@ Gradients ring_attention_backward(Communicator& comm, const Tensor& q, const Ten
     cur_v = vbuf[(step + 1) % 2].data();
   }
   const bool home_last = last > 0 && last + 1 == P;
-  if (home_last)
-    pending.add(comm.irecv(home.data(), home.size() * sizeof(float), (me + last) % P, kTagReturn));
+  if (home_last) pending.add(comm.irecv(home.data(), home.nbytes(), (me + last) % P, kTagReturn));
   pending.wait();
-  if (home_last) copy_home(g, home.data(), B, Sl, G, D, Dv);
+  if (home_last) copy_home(g, floats(home), B, Sl, G, D, Dv);
   return g;
 }
 

@@ -28,6 +28,9 @@ void merge_partials(float* out_a, float* lse_a, const float* out_b, const float*
 void clear_partial(float* out, int64_t out_n, float* lse, int64_t lse_n, void*) {
   host::clear_partial(out, out_n, lse, lse_n);
 }
+void add_floats(float* out, const float* a, const float* b, int64_t n, void*) {
+  host::add_floats(out, a, b, n);
+}
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv, void*) {
   host::weigh_partial(packed, out, lse, m, batch, seq, heads, dv);

@@ -188,6 +188,17 @@ TEST(CudaMovement, MergeClearWeighSinksMatchHost) {
   expect_close(d_so.host(), so, "add_sinks out");
   expect_close(d_sl.host(), sl, "add_sinks lse");
 
+  // add_floats, out of place and in place (out = a): exactly the host's sums
+  std::vector<float> sum(n_out);
+  movement::host::add_floats(sum.data(), out_a.data(), out_b.data(), int64_t(n_out));
+  DeviceVector<float> d_sa(out_a), d_sb(out_b), d_sum{std::vector<float>(n_out)};
+  movement::cuda::add_floats(d_sum.get(), d_sa.get(), d_sb.get(), int64_t(n_out), nullptr);
+  movement::cuda::add_floats(d_sa.get(), d_sa.get(), d_sb.get(), int64_t(n_out), nullptr);
+  for (size_t i = 0; i < n_out; ++i)
+    ASSERT_EQ(sum[i], out_a[i] + out_b[i]) << "add_floats host, element " << i;
+  EXPECT_EQ(d_sum.host(), sum) << "add_floats";
+  EXPECT_EQ(d_sa.host(), sum) << "add_floats in place";
+
   // clear_partial
   movement::cuda::clear_partial(d_oa.get(), int64_t(n_out), d_la.get(), int64_t(n_lse), nullptr);
   for (float x : d_oa.host())

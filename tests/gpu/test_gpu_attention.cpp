@@ -89,6 +89,29 @@ Layout make_layout(LayoutKind l, int P) {
 // gpu_tolerance): its error is of the order of a bf16 rounding of out; lse comes from fp32 scores.
 const test::Tolerance kGpuTolerance = {1e-2, 1e-2, 1e-4, 1e-4};
 
+// max |got - want| <= rel * max |want| + abs over a gradient (host fp32 tensors, or float64
+// values); NaN or inf fails.
+testing::AssertionResult grad_close(const char* name, const Tensor& got,
+                                    const std::vector<double>& want, double rel, double abs) {
+  double max_want = 0, max_err = 0;
+  for (double w : want)
+    max_want = std::max(max_want, std::fabs(w));
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = got.get(int64_t(i));
+    if (!std::isfinite(g)) return testing::AssertionFailure() << name << "[" << i << "] = " << g;
+    max_err = std::max(max_err, std::fabs(g - want[i]));
+  }
+  if (max_err <= rel * max_want + abs) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << name << ": max |err| " << max_err << " > " << rel
+                                     << " * max |want| " << max_want << " + " << abs;
+}
+std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    v[size_t(i)] = t.get(i);
+  return v;
+}
+
 struct GpuAttentionCase {
   Strategy strategy;
   LayoutKind layout;
@@ -181,6 +204,38 @@ TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
   if (U == P && P > 1) {
     EXPECT_EQ(counted.bytes("send"), 0u) << where;  // no ring of groups
   }
+
+  // The ring backward on device buffers over the GPU Runtime's cp group, from the CPU backend's
+  // forward (the same partial on both sides, so that the two differ by their kernels only):
+  // against the CPU backend's backward within the CPU backward test's bound of float64 (both
+  // kernels are fp32), and exactly its bytes and the model's.
+  if (c.strategy != Strategy::ring) return;
+  const Tensor dout = test::random_tensor({kB, kS, kHq, kD}, kDtype, 704);
+  const Tensor douth = layout.dispatch(dout, me), doutd = douth.to_device(dev);
+  const Partial want_d{want.out.to_device(dev), want.lse.to_device(dev)};
+  g.reset_counters();
+  const Gradients gd = attention_backward(g, qd, kd, vd, want_d, doutd, spec, layout);
+  DATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  const ByteCounters counted_b = g.counters();
+  h.reset_counters();
+  const Gradients gh = attention_backward(h, qh, kh, vh, want, douth, spec, layout);
+  const ByteCounters counted_b_cpu = h.counters();
+  ASSERT_EQ(gd.dq.device(), dev);
+  ASSERT_EQ(gd.dk.device(), dev);
+  ASSERT_EQ(gd.dv.device(), dev);
+  const Device host = Device::cpu();
+  EXPECT_TRUE(grad_close("dq", gd.dq.to_device(host), values(gh.dq), 1e-4, 1e-5)) << where;
+  EXPECT_TRUE(grad_close("dk", gd.dk.to_device(host), values(gh.dk), 1e-4, 1e-5)) << where;
+  EXPECT_TRUE(grad_close("dv", gd.dv.to_device(host), values(gh.dv), 1e-4, 1e-5)) << where;
+  if (c.sinks) {
+    ASSERT_TRUE(gd.dsinks.defined() && gd.dsinks.device().is_cpu());
+    EXPECT_TRUE(grad_close("dsinks", gd.dsinks, values(gh.dsinks), 1e-5, 1e-6)) << where;
+  }
+  const uint64_t sent_b = counted_b.bytes("send") + counted_b.bytes("allreduce");
+  EXPECT_EQ(sent_b, attention_backward_send_bytes(Strategy::ring, layout, spec, kB, kDtype, 1, me))
+      << where;
+  EXPECT_EQ(counted_b.bytes("send"), counted_b_cpu.bytes("send")) << where;
+  EXPECT_EQ(counted_b.bytes("allreduce"), counted_b_cpu.bytes("allreduce")) << where;
 }
 
 // Every layout and mask for the ring; Ulysses and hybrid (whose all-to-alls see the layout only
@@ -205,9 +260,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuAttention, testing::ValuesIn(gpu_attention_ca
                            return case_name(info.param);
                          });
 
-// What the GPU path rejects, before any data moves and on every rank: the backward (no CUDA
-// kernel), host tensors on a GPU runtime, fp32; and the non-finite check copies device tensors to
-// the host.
+// What the GPU path rejects, before any data moves and on every rank: the Ulysses and hybrid
+// backward, host tensors on a GPU runtime, fp32; and the non-finite check copies device tensors
+// to the host.
 TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   Runtime& g = gpu();
   const int P = g.cp_size(), me = g.cp_rank();
@@ -222,16 +277,24 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   const Tensor qd = qh.to_device(dev), kd = kh.to_device(dev), vd = vh.to_device(dev);
 
   const Partial fwd = attention(g, qd, kd, vd, spec, layout, Strategy::ulysses);
-  // The backward on a GPU Runtime, with device tensors and with host ones (its schedules would
-  // hand host buffers to NCCL: on hardware a fault on one rank, a hang on the others).
-  EXPECT_TRUE(test::throws_naming(
-      [&] { (void)attention_backward(g, qd, kd, vd, fwd, fwd.out, spec, layout, Strategy::ring); },
-      {"runtime device", "cpu for attention_backward"}));
+  // The Ulysses and hybrid backward on a GPU Runtime (their schedules would hand host buffers to
+  // NCCL: on hardware a fault on one rank, a hang on the others), where they are not the ring
+  // (one rank); and host tensors for the ring backward there.
+  if (P > 1) {
+    for (Strategy s : {Strategy::ulysses, Strategy::hybrid}) {
+      if (s == Strategy::hybrid && g.ulysses_degree() == 1) continue;  // the ring
+      EXPECT_TRUE(test::throws_naming(
+          [&] { (void)attention_backward(g, qd, kd, vd, fwd, fwd.out, spec, layout, s); },
+          {"strategy", "ring for attention_backward on a GPU Runtime"}));
+    }
+  }
   const Partial fwd_host = to_host(fwd);
-  for (Strategy s : {Strategy::ring, Strategy::ulysses})
-    EXPECT_TRUE(test::throws_naming(
-        [&] { (void)attention_backward(g, qh, kh, vh, fwd_host, fwd_host.out, spec, layout, s); },
-        {"runtime device", "cpu for attention_backward"}));
+  EXPECT_TRUE(test::throws_naming(
+      [&] {
+        (void)attention_backward(g, qh, kh, vh, fwd_host, fwd_host.out, spec, layout,
+                                 Strategy::ring);
+      },
+      {"q device", "the Runtime's device"}));
   EXPECT_TRUE(test::throws_naming(
       [&] { (void)attention(g, qh, kd, vd, spec, layout, Strategy::ring); }, {"q device", "cpu"}));
   const Tensor q32 = qh.to(DType::f32).to_device(dev), k32 = kh.to(DType::f32).to_device(dev),
@@ -257,29 +320,6 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   const Partial res = attention(checked, qd, kd, vd, spec, layout, Strategy::ring);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(res.out.device(), dev);
-}
-
-// max |got - want| <= rel * max |want| + abs over a gradient (host fp32 tensors, or float64
-// values); NaN or inf fails.
-testing::AssertionResult grad_close(const char* name, const Tensor& got,
-                                    const std::vector<double>& want, double rel, double abs) {
-  double max_want = 0, max_err = 0;
-  for (double w : want)
-    max_want = std::max(max_want, std::fabs(w));
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double g = got.get(int64_t(i));
-    if (!std::isfinite(g)) return testing::AssertionFailure() << name << "[" << i << "] = " << g;
-    max_err = std::max(max_err, std::fabs(g - want[i]));
-  }
-  if (max_err <= rel * max_want + abs) return testing::AssertionSuccess();
-  return testing::AssertionFailure() << name << ": max |err| " << max_err << " > " << rel
-                                     << " * max |want| " << max_want << " + " << abs;
-}
-std::vector<double> values(const Tensor& t) {
-  std::vector<double> v(size_t(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i)
-    v[size_t(i)] = t.get(i);
-  return v;
 }
 
 // attention_local and attention_local_backward on device tensors (one process, no Runtime): the

@@ -228,20 +228,21 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   const Device device = rt.device();
   agree_on_validation(comm, "attention backward call", hash_mix(hash, uint64_t(U)), [&] {
-    // On a GPU Runtime the ring schedule runs on device buffers; the Ulysses and hybrid ones keep
-    // host buffers, which its cp group (NCCL) cannot move: on hardware the first send would fault.
-    DATTN_CHECK_ARG(device.is_cpu() || U == 1, "strategy", strategy_name(strategy),
-                    detail::cat("ring for attention_backward on a GPU Runtime (", device.str(),
-                                "): the Ulysses and hybrid backward run on a CPU Runtime only"));
     check_attention_call(comm, q, k, v, spec, layout, strategy, U, &device);
     check_backward_inputs(q, fwd, dout, spec);
     if (rt.check_finite())
       check_shards_finite(comm, layout, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}});
   });
-  // On the host, dout in fp32 once: the Ulysses and hybrid schedules move and read it as fp32
-  // whatever the storage dtype. The ring schedule never moves dout, and the CUDA kernel reads it
-  // in its own dtype.
-  const Tensor dout32 = dout.dtype() == DType::f32 || !device.is_cpu() ? dout : dout.to(DType::f32);
+  // dout in fp32 once: the Ulysses and hybrid schedules move and read it as fp32 whatever the
+  // storage dtype (as their byte model counts it). The ring never moves dout: on a GPU it stays in
+  // its dtype, which the CUDA kernel reads. (A device tensor's dtype is converted on the host: a
+  // round trip, until a device conversion exists.)
+  const auto to_f32 = [&](const Tensor& t) {
+    return device.is_cpu() ? t.to(DType::f32)
+                           : t.to_device(Device::cpu()).to(DType::f32).to_device(device);
+  };
+  const Tensor dout32 =
+      dout.dtype() == DType::f32 || (U == 1 && !device.is_cpu()) ? dout : to_f32(dout);
   const Tensor delta = backward_delta(dout32, fwd.out);
   const float* lse = fwd.lse.ptr<float>();
   // The probabilities come from fwd.lse, which counts the sinks: the schedules need nothing else.

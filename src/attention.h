@@ -59,10 +59,10 @@ Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const
 // call that returned `fwd` (this rank's out and lse) and dout, the gradient of this rank's out
 // ([B, S_local, H_q, D_v], any storage dtype). Probabilities are recomputed blockwise from lse;
 // nothing of size S x S is stored. Gradients accumulate in fp32 in a fixed order, so repeated
-// calls give bit-identical results. The tensors on the Runtime's device: on a GPU Runtime the
-// ring schedule runs on device buffers over NCCL (the CUDA backward kernel); the Ulysses and
-// hybrid schedules keep host buffers and run on a CPU Runtime only (elsewhere they throw on
-// every rank before any data moves). The gradients come back on that device, dsinks on the host.
+// calls give bit-identical results. The tensors on the Runtime's device (else every rank throws
+// before any data moves): on a GPU Runtime every schedule runs on device buffers over its NCCL
+// groups with the CUDA backward kernel. The gradients come back on that device, dsinks on the
+// host.
 Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                              const Layout& layout, Strategy strategy = Strategy::ring);

@@ -218,17 +218,17 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   const size_t esz = dtype_size(q.dtype()), f = sizeof(float);
   const Members m = members_of(group, layout, cp_rank);
   const int64_t Sg = m.row0.back();
-  // Host tensors only: this schedule's buffers are host memory (validation rejects cuda tensors
-  // and a GPU Runtime).
+  const Device dev = q.device();             // every buffer, and the exchanges, on it
+  DATTN_ASSERT(dout.dtype() == DType::f32);  // the entry point's fp32 dout (the byte model's)
 
   // 1. The forward's exchange of Q, K, V, plus dout (fp32) and the rows' lse and delta.
-  Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype());
-  Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype());
-  Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype());
-  Tensor dog = Tensor::empty({B, Sg, hq, Dv}, DType::f32);
-  Tensor lseg = Tensor::empty({B, hq, Sg}, DType::f32);
-  Tensor deltag = Tensor::empty({B, hq, Sg}, DType::f32);
-  exchange(Device::cpu(), group,
+  Tensor qg = Tensor::empty({B, Sg, hq, D}, q.dtype(), dev);
+  Tensor kg = Tensor::empty({B, Sg, hkv, D}, q.dtype(), dev);
+  Tensor vg = Tensor::empty({B, Sg, hkv, Dv}, q.dtype(), dev);
+  Tensor dog = Tensor::empty({B, Sg, hq, Dv}, DType::f32, dev);
+  Tensor lseg = Tensor::empty({B, hq, Sg}, DType::f32, dev);
+  Tensor deltag = Tensor::empty({B, hq, Sg}, DType::f32, dev);
+  exchange(dev, group,
            {{q.data(), qg.data(), hq, D, esz},
             {k.data(), kg.data(), hkv, D, esz, false, share},
             {v.data(), vg.data(), hkv, Dv, esz, false, share},
@@ -241,8 +241,9 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   const Layout groups = layout.grouped(U);
   Gradients part;
   if (ring == nullptr || ring->size() == 1) {
-    part = {Tensor::zeros({B, Sg, hq, D}, DType::f32), Tensor::zeros({B, Sg, hkv, D}, DType::f32),
-            Tensor::zeros({B, Sg, hkv, Dv}, DType::f32)};
+    part = {Tensor::zeros({B, Sg, hq, D}, DType::f32, dev),
+            Tensor::zeros({B, Sg, hkv, D}, DType::f32, dev),
+            Tensor::zeros({B, Sg, hkv, Dv}, DType::f32, dev)};
     backward_runs(qg, groups.runs(0), kg.data(), vg.data(), Sg, groups.runs(0), dog,
                   lseg.ptr<float>(), deltag.ptr<float>(), sub, part.dq.ptr<float>(),
                   part.dk.ptr<float>(), part.dv.ptr<float>());
@@ -255,12 +256,12 @@ Gradients hybrid_attention_backward(Communicator& group, Communicator* ring, con
   // A kv head that `share` members hold gets the sum of their dk and dv (each covers its own
   // query heads), so those start at zero.
   auto grad = [&](int64_t heads, int64_t d) {
-    return share > 1 ? Tensor::zeros({B, Sl, heads, d}, DType::f32)
-                     : Tensor::empty({B, Sl, heads, d}, DType::f32);
+    return share > 1 ? Tensor::zeros({B, Sl, heads, d}, DType::f32, dev)
+                     : Tensor::empty({B, Sl, heads, d}, DType::f32, dev);
   };
-  Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32), grad(spec.heads_kv, D),
+  Gradients g{Tensor::empty({B, Sl, spec.heads_q, D}, DType::f32, dev), grad(spec.heads_kv, D),
               grad(spec.heads_kv, Dv)};
-  exchange(Device::cpu(), group,
+  exchange(dev, group,
            {{part.dq.data(), g.dq.data(), hq, D, f},
             {part.dk.data(), g.dk.data(), hkv, D, f, false, share},
             {part.dv.data(), g.dv.data(), hkv, Dv, f, false, share}},

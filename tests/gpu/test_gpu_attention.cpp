@@ -205,20 +205,19 @@ TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
     EXPECT_EQ(counted.bytes("send"), 0u) << where;  // no ring of groups
   }
 
-  // The ring backward on device buffers over the GPU Runtime's cp group, from the CPU backend's
-  // forward (the same partial on both sides, so that the two differ by their kernels only):
-  // against the CPU backend's backward within the CPU backward test's bound of float64 (both
-  // kernels are fp32), and exactly its bytes and the model's.
-  if (c.strategy != Strategy::ring) return;
+  // The backward on device buffers over the GPU Runtime's groups, from the CPU backend's forward
+  // (the same partial on both sides, so that the two differ by their kernels only): against the
+  // CPU backend's backward within the CPU backward test's bound of float64 (both kernels are
+  // fp32), and exactly its bytes and the model's.
   const Tensor dout = test::random_tensor({kB, kS, kHq, kD}, kDtype, 704);
   const Tensor douth = layout.dispatch(dout, me), doutd = douth.to_device(dev);
   const Partial want_d{want.out.to_device(dev), want.lse.to_device(dev)};
   g.reset_counters();
-  const Gradients gd = attention_backward(g, qd, kd, vd, want_d, doutd, spec, layout);
+  const Gradients gd = attention_backward(g, qd, kd, vd, want_d, doutd, spec, layout, c.strategy);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   const ByteCounters counted_b = g.counters();
   h.reset_counters();
-  const Gradients gh = attention_backward(h, qh, kh, vh, want, douth, spec, layout);
+  const Gradients gh = attention_backward(h, qh, kh, vh, want, douth, spec, layout, c.strategy);
   const ByteCounters counted_b_cpu = h.counters();
   ASSERT_EQ(gd.dq.device(), dev);
   ASSERT_EQ(gd.dk.device(), dev);
@@ -231,11 +230,12 @@ TEST_P(GpuAttention, MatchesCpuBackendReferenceAndByteModel) {
     ASSERT_TRUE(gd.dsinks.defined() && gd.dsinks.device().is_cpu());
     EXPECT_TRUE(grad_close("dsinks", gd.dsinks, values(gh.dsinks), 1e-5, 1e-6)) << where;
   }
-  const uint64_t sent_b = counted_b.bytes("send") + counted_b.bytes("allreduce");
-  EXPECT_EQ(sent_b, attention_backward_send_bytes(Strategy::ring, layout, spec, kB, kDtype, 1, me))
+  const uint64_t sent_b =
+      counted_b.bytes("send") + counted_b.bytes("alltoall") + counted_b.bytes("allreduce");
+  EXPECT_EQ(sent_b, attention_backward_send_bytes(c.strategy, layout, spec, kB, kDtype, U, me))
       << where;
-  EXPECT_EQ(counted_b.bytes("send"), counted_b_cpu.bytes("send")) << where;
-  EXPECT_EQ(counted_b.bytes("allreduce"), counted_b_cpu.bytes("allreduce")) << where;
+  for (const char* op : {"send", "alltoall", "allreduce"})
+    EXPECT_EQ(counted_b.bytes(op), counted_b_cpu.bytes(op)) << where << ", " << op;
 }
 
 // Every layout and mask for the ring; Ulysses and hybrid (whose all-to-alls see the layout only
@@ -260,9 +260,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuAttention, testing::ValuesIn(gpu_attention_ca
                            return case_name(info.param);
                          });
 
-// What the GPU path rejects, before any data moves and on every rank: the Ulysses and hybrid
-// backward, host tensors on a GPU runtime, fp32; and the non-finite check copies device tensors
-// to the host.
+// What the GPU path rejects, before any data moves and on every rank: host tensors on a GPU
+// runtime (forward and backward), fp32; and the non-finite check copies device tensors to the
+// host.
 TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   Runtime& g = gpu();
   const int P = g.cp_size(), me = g.cp_rank();
@@ -277,24 +277,13 @@ TEST_F(GpuAttention, RejectsWhatTheGpuPathDoesNotRun) {
   const Tensor qd = qh.to_device(dev), kd = kh.to_device(dev), vd = vh.to_device(dev);
 
   const Partial fwd = attention(g, qd, kd, vd, spec, layout, Strategy::ulysses);
-  // The Ulysses and hybrid backward on a GPU Runtime (their schedules would hand host buffers to
-  // NCCL: on hardware a fault on one rank, a hang on the others), where they are not the ring
-  // (one rank); and host tensors for the ring backward there.
-  if (P > 1) {
-    for (Strategy s : {Strategy::ulysses, Strategy::hybrid}) {
-      if (s == Strategy::hybrid && g.ulysses_degree() == 1) continue;  // the ring
-      EXPECT_TRUE(test::throws_naming(
-          [&] { (void)attention_backward(g, qd, kd, vd, fwd, fwd.out, spec, layout, s); },
-          {"strategy", "ring for attention_backward on a GPU Runtime"}));
-    }
-  }
+  // The backward with host tensors on a GPU Runtime (its schedules would hand host buffers to
+  // NCCL: on hardware a fault on one rank, a hang on the others).
   const Partial fwd_host = to_host(fwd);
-  EXPECT_TRUE(test::throws_naming(
-      [&] {
-        (void)attention_backward(g, qh, kh, vh, fwd_host, fwd_host.out, spec, layout,
-                                 Strategy::ring);
-      },
-      {"q device", "the Runtime's device"}));
+  for (Strategy s : {Strategy::ring, Strategy::ulysses})
+    EXPECT_TRUE(test::throws_naming(
+        [&] { (void)attention_backward(g, qh, kh, vh, fwd_host, fwd_host.out, spec, layout, s); },
+        {"q device", "the Runtime's device"}));
   EXPECT_TRUE(test::throws_naming(
       [&] { (void)attention(g, qh, kd, vd, spec, layout, Strategy::ring); }, {"q device", "cpu"}));
   const Tensor q32 = qh.to(DType::f32).to_device(dev), k32 = kh.to(DType::f32).to_device(dev),

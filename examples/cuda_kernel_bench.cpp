@@ -1,6 +1,8 @@
 // dattn-cuda-kernel-bench: the CUDA attention forward (kernels/cuda) against cuBLAS's bf16 GEMM
 // on one GPU: cuBLAS TFLOP/s, the kernel's TFLOP/s causal and not, their ratio against the
-// target (0.40); and the split-KV decode kernel's bandwidth (K/V bytes streamed / time) against
+// target (0.40); the backward's TFLOP/s against the forward's (target 0.5, reported, not part of
+// the summary while the backward is the correctness-first kernel); and the split-KV decode
+// kernel's bandwidth (K/V bytes streamed / time) against
 // the device's copy bandwidth measured in the same run (target 0.70). A #wrong column comes from
 // small checks against the float64 CPU reference. Needs neither MPI nor Boost (a bare GPU
 // machine's core-only build has it); exits 77 without GPU.
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "kernels/cpu/reference.h"
+#include "kernels/cuda/attention_backward_cuda.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/decode_cuda.h"
 #include "kernels/cuda/device_buffer.h"
@@ -42,9 +45,10 @@ using dattn::detail::cat;
                   cublasGetStatusString(st_), ")");                           \
   } while (0)
 
-constexpr double kTarget = 0.40;        // kernel TFLOP/s / cuBLAS bf16 GEMM TFLOP/s
-constexpr double kDecodeTarget = 0.70;  // decode GB/s / device copy GB/s
-constexpr int64_t kDecodeHeads = 8;     // the decode rows' query heads, on 1, 2 and 8 kv heads
+constexpr double kTarget = 0.40;         // kernel TFLOP/s / cuBLAS bf16 GEMM TFLOP/s
+constexpr double kDecodeTarget = 0.70;   // decode GB/s / device copy GB/s
+constexpr double kBackwardTarget = 0.5;  // backward TFLOP/s / the forward's (causal)
+constexpr int64_t kDecodeHeads = 8;      // the decode rows' query heads, on 1, 2 and 8 kv heads
 constexpr int64_t kDecodeKvHeads[] = {1, 2, 8};
 
 // ================================================================== options
@@ -54,6 +58,7 @@ constexpr int64_t kDecodeKvHeads[] = {1, 2, 8};
 struct Options {
   int64_t seq = 16384, heads = 16, head_dim = 128, iters = 10, warmup = 3, gemm_n = 8192;
   int64_t check_seq = 300, context = 262144;
+  int64_t backward_seq = 4096;  // the backward row's S, shorter: the first backward is slow
   std::string json;
 };
 
@@ -78,6 +83,7 @@ std::vector<Option> option_table(Options& o) {
       {"check-seq", 'c', &o.check_seq, 1, kMax,
        "S of the correctness check vs the float64 reference"},
       {"context", 'x', &o.context, 0, kMax, "decode rows' context (H=8, H_kv 1, 2, 8; 0: none)"},
+      {"backward-seq", 'b', &o.backward_seq, 0, kMax, "S of the backward row (0: none)"},
       {"json", 'J', nullptr, 0, 0, "also write the rows as JSON to FILE", &o.json}};
 }
 
@@ -228,6 +234,32 @@ Timing time_attention(const Options& o, bool causal) {
       block(q.get(), k.get(), v.get(), o.seq, o.heads, o.heads, o.head_dim, causal);
   return time_it(
       o, [&] { dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr); });
+}
+
+// The backward on the same problem, causal or not: delta, then dq, dk and dv (accumulated into
+// the same buffers each iteration: the same work as fresh ones), from one forward's out and lse.
+Timing time_backward(const Options& o, bool causal) {
+  const int64_t S = o.backward_seq;
+  const size_t elems = size_t(S * o.heads * o.head_dim);
+  DeviceBuffer q(random_bf16(elems, 11).data(), elems * 2);
+  DeviceBuffer k(random_bf16(elems, 12).data(), elems * 2);
+  DeviceBuffer v(random_bf16(elems, 13).data(), elems * 2);
+  DeviceBuffer dout(random_bf16(elems, 14).data(), elems * 2);
+  const std::vector<float> lse0(size_t(o.heads * S), -INFINITY);
+  DeviceBuffer out(elems * 4), lse(lse0.data(), lse0.size() * 4), delta(lse0.size() * 4);
+  DeviceBuffer dq(elems * 4), dk(elems * 4), dv(elems * 4);
+  for (DeviceBuffer* b : {&out, &dq, &dk, &dv})
+    DATTN_CUDA_CHECK(cudaMemset(b->get(), 0, b->bytes()));
+  const dattn::cuda::AttentionBlock blk =
+      block(q.get(), k.get(), v.get(), S, o.heads, o.heads, o.head_dim, causal);
+  dattn::cuda::attention_forward(blk, out.get<float>(), lse.get<float>(), nullptr);
+  return time_it(o, [&] {
+    dattn::cuda::attention_backward_delta(dout.get(), DType::bf16, out.get<float>(), 1, S, o.heads,
+                                          o.head_dim, delta.get<float>(), nullptr);
+    dattn::cuda::attention_backward(blk, dout.get(), DType::bf16, lse.get<float>(),
+                                    delta.get<float>(), dq.get<float>(), dk.get<float>(),
+                                    dv.get<float>(), nullptr);
+  });
 }
 
 // A check of one kernel: Sq queries at positions q_pos0.. on Sk keys, Hq query heads on Hkv kv
@@ -431,6 +463,19 @@ int run(int argc, char** argv) {
     r.json = json_row(causal ? "dattn_forward_causal" : "dattn_forward_noncausal", causal, o.seq,
                       o.heads, o.head_dim, r);
   }
+  // (l) the backward, causal, at S = backward_seq: 2.5x the forward's FLOPs (five S^2 D products
+  // to its two), as flash attention counts them, against the forward's rate (b).
+  double ratio_backward = -1;
+  if (o.backward_seq > 0) {
+    const int64_t S = o.backward_seq;
+    Row& r = rows.emplace_back("(l) backward",
+                               cat("B=1 H=", o.heads, " S=", S, " D=", o.head_dim, " causal"));
+    r.t = time_backward(o, true);
+    const double flops = 2.5 * 2.0 * double(o.heads) * double(S) * double(S) * double(o.head_dim);
+    r.rate = flops / (r.t.best_ms * 1e-3) / 1e12;
+    r.json = json_row("backward_causal", true, S, o.heads, o.head_dim, r);
+    ratio_backward = r.rate / rows[1].rate;
+  }
   // Decode: (g) the device's copy bandwidth, then one row per kv head count: GB/s of the K and V
   // bytes streamed per step, against (g).
   std::vector<Row> decode_rows;
@@ -482,6 +527,7 @@ int run(int argc, char** argv) {
       "# FLOPs: attention 4 B H S^2 D (halved for causal); GEMM 2 n^3; TFLOP/s from best\n");
   verdict("(d) causal / cuBLAS", ratio_causal, kTarget, "");
   verdict("(e) noncausal / cuBLAS", ratio_full, kTarget, "");
+  if (ratio_backward >= 0) verdict("(m) backward / forward", ratio_backward, kBackwardTarget, "");
   if (o.context > 0) {
     std::printf(
         "# decode bytes: K + V of the cache (2 S_k H_kv D bf16) per step; GB/s from best\n");
@@ -511,8 +557,9 @@ int run(int argc, char** argv) {
       << ", \"decode_target\": " << fixed(kDecodeTarget, 2)
       << ", \"ratio_causal\": " << fixed(ratio_causal, 6)
       << ", \"ratio_noncausal\": " << fixed(ratio_full, 6) << ", \"target\": " << fixed(kTarget, 2)
-      << ", \"wrong\": " << wrong << ", \"pass\": " << (pass && wrong == 0 ? "true" : "false")
-      << "}\n";
+      << ", \"ratio_backward_over_forward\": " << fixed(ratio_backward, 6)
+      << ", \"backward_target\": " << fixed(kBackwardTarget, 2) << ", \"wrong\": " << wrong
+      << ", \"pass\": " << (pass && wrong == 0 ? "true" : "false") << "}\n";
     if (!f) DATTN_THROW("cannot write --json file '", o.json, "'");
   }
   return wrong == 0 ? 0 : 1;

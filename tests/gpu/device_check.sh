@@ -2,7 +2,7 @@
 # The GPU backend's check on a machine with a GPU (the device tool's H200, or any CUDA machine):
 # configure and build for sm_90, run every GPU test for real (DATTN_GPU_TESTS_REQUIRED=1: "no GPU"
 # is a failure here, not a skip), run dattn-cuda-kernel-bench (our forward against cuBLAS's bf16
-# GEMM, and the split-KV decode's bandwidth at context 262144 against the device's copy
+# GEMM, the backward against the forward, and the split-KV decode's bandwidth at context 262144 against the device's copy
 # bandwidth, each in the same run) and, where a python3 with torch is there, torch's SDPA on the
 # same inputs; run the kernel tests under compute-sanitizer (memcheck, synccheck, initcheck,
 # racecheck; a few small cases each); write a summary and JSON under $OUT. Sized to finish within
@@ -161,7 +161,7 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer
 # The kernel tests (test_cuda_attention: the forward, the split-KV decode and its merge, the MLA
-# decode) under each of compute-sanitizer's tools, one step each: memcheck (out-of-bounds and
+# decode, the backward) under each of compute-sanitizer's tools, one step each: memcheck (out-of-bounds and
 # misaligned accesses, device faults), synccheck (barriers that not every thread reaches),
 # initcheck (reads of device memory never written, copies to the host included) and racecheck
 # (shared-memory hazards). The tools make a kernel 10-100 times slower (racecheck most) and
@@ -179,6 +179,7 @@ fi
 kernel_tests=$build/tests/gpu/test_cuda_attention
 fwd=Cases/CudaKernelVsReference.AttentionForward
 dec=Cases/CudaDecodeVsReference.DecodeForward
+bwd=Cases/CudaBackward.MatchesFloat64ReferenceAndRepeatsBitwise
 declare -A cases
 cases[memcheck]="$fwd/S1_D64_causal_bf16:$fwd/S77_D80_gqa4_causal_bf16:$fwd/S300_D128_causal_fp16"
 cases[memcheck]+=":$fwd/S130_D256_gqa8_causal_bf16:$fwd/S150_D160_causal_bf16"
@@ -187,17 +188,21 @@ cases[memcheck]+=":$fwd/Sq260_Sk33_noncausal_bf16:$fwd/S300_window37_20_D64_bf16
 cases[memcheck]+=":$fwd/S300_docs_causal_D64_bf16:$dec/Sq1_Sk1_D64_bf16"
 cases[memcheck]+=":$dec/Sq2_Sk300_gqa2_D40_Dv24_bf16:$dec/Sq7_Sk1000_gqa4_D192_Dv128_causal_fp16"
 cases[memcheck]+=":$dec/Sq7_Sk1000_gqa2_D64_docs_span_bf16:CudaKernelEmptyRows.*:CudaDecodeMerge.*"
-cases[memcheck]+=":CudaMlaDecode.*"
+cases[memcheck]+=":CudaMlaDecode.*:$bwd/S90_D33_Dv17_causal_f16:$bwd/S130_D256_gqa2_causal_bf16"
+cases[memcheck]+=":$bwd/Sq300_at0_Sk200_at150_causal_bf16:CudaBackwardRuns.*:CudaBackwardNonFinite.*"
 cases[synccheck]="$fwd/S77_D80_gqa4_causal_bf16:$fwd/keys_in_future_causal_bf16"
 cases[synccheck]+=":$fwd/S130_D256_gqa8_causal_bf16:$fwd/S300_docs_causal_D64_bf16"
 cases[synccheck]+=":$dec/Sq1_Sk1_D64_bf16:$dec/Sq7_Sk1000_gqa2_D64_docs_span_bf16"
-cases[synccheck]+=":CudaMlaDecode.MatchesFloat64Reference"
+cases[synccheck]+=":CudaMlaDecode.MatchesFloat64Reference:$bwd/S77_D128_gqa4_causal_bf16"
+cases[synccheck]+=":$bwd/keys_in_future_causal_bf16"
 cases[initcheck]="$fwd/S77_D80_gqa4_bf16:$fwd/S90_D33_Dv17_causal_bf16"
 cases[initcheck]+=":$fwd/S200_D192_Dv128_gqa2_bf16:$dec/Sq2_Sk300_gqa2_D40_Dv24_bf16"
 cases[initcheck]+=":CudaDecodeMerge.*:CudaMlaDecode.MatchesFloat64Reference"
+cases[initcheck]+=":$bwd/S90_D33_Dv17_causal_f16:CudaBackwardDelta.*"
 cases[racecheck]="$fwd/S300_D128_causal_bf16:$fwd/S130_D256_gqa8_causal_bf16"
 cases[racecheck]+=":$fwd/S90_D33_Dv17_causal_fp16:$dec/Sq16_Sk1000_gqa8_D128_causal_bf16"
 cases[racecheck]+=":$dec/Sq2_Sk300_gqa2_D40_Dv24_bf16:CudaMlaDecode.MatchesFloat64Reference"
+cases[racecheck]+=":$bwd/S77_D192_Dv128_window_f16"
 declare -A limit=([memcheck]=40 [synccheck]=25 [initcheck]=25 [racecheck]=60)
 if ! ((build_ok)) || [[ ! -x $kernel_tests ]]; then
   say "compute-sanitizer: not run (no kernel tests built)"

@@ -235,14 +235,8 @@ Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, cons
   });
   // dout in fp32 once: the Ulysses and hybrid schedules move and read it as fp32 whatever the
   // storage dtype (as their byte model counts it). The ring never moves dout: on a GPU it stays in
-  // its dtype, which the CUDA kernel reads. (A device tensor's dtype is converted on the host: a
-  // round trip, until a device conversion exists.)
-  const auto to_f32 = [&](const Tensor& t) {
-    return device.is_cpu() ? t.to(DType::f32)
-                           : t.to_device(Device::cpu()).to(DType::f32).to_device(device);
-  };
-  const Tensor dout32 =
-      dout.dtype() == DType::f32 || (U == 1 && !device.is_cpu()) ? dout : to_f32(dout);
+  // its dtype, which the CUDA kernel reads.
+  const Tensor dout32 = U == 1 && !device.is_cpu() ? dout : as_f32(dout);
   const Tensor delta = backward_delta(dout32, fwd.out);
   const float* lse = fwd.lse.ptr<float>();
   // The probabilities come from fwd.lse, which counts the sinks: the schedules need nothing else.

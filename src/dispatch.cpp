@@ -75,6 +75,19 @@ void add_floats(float* out, const float* a, const float* b, size_t n, Device dev
 #endif
 }
 
+Tensor as_f32(const Tensor& t) {
+  if (t.dtype() == DType::f32) return t;
+  if (t.device().is_cpu()) return t.to(DType::f32);
+#if DATTN_WITH_CUDA
+  Tensor out = Tensor::empty_like(t, DType::f32);
+  movement::cuda::widen_16(out.ptr<float>(), static_cast<const uint16_t*>(t.data()), t.numel(),
+                           t.dtype() == DType::bf16, nullptr);
+  return out;
+#else
+  no_cuda(t.device());
+#endif
+}
+
 void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, const void* src,
                Device src_device, int64_t src_seq, int64_t src_row0, int64_t batch, int64_t rows,
                size_t row_bytes) {

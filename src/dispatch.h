@@ -29,6 +29,8 @@ void copy_bytes(void* dst, const void* src, size_t bytes, Device device);
 // n floats at p = 0, and out = a + b elementwise (out may be a or b), on `device`.
 void zero_floats(float* p, size_t n, Device device);
 void add_floats(float* out, const float* a, const float* b, size_t n, Device device);
+// t as fp32 on its own device: t itself when it is fp32, else a widened copy (exact).
+Tensor as_f32(const Tensor& t);
 
 // Copies `rows` rows of every batch entry: src holds src_seq rows per entry (from src_row0 on),
 // dst dst_seq rows per entry (written from dst_row0 on); a row is row_bytes bytes. Either side on

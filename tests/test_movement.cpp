@@ -12,6 +12,7 @@
 
 #include "kernels/merge.h"
 #include "kernels/movement/movement.h"
+#include "src/base/dtype.h"
 #include "tests/test_reference.h"
 
 namespace dattn {
@@ -34,6 +35,30 @@ std::vector<int64_t> permutation(int64_t n, uint32_t seed) {
 const size_t kRowBytes[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 40, 100, 256, 258, 1000};
 
 // ---------------------------------------------------------------- gather / scatter
+
+// widen_16 on every 16-bit pattern, bf16 and fp16: the value dtype.h's conversion gives (fp16's
+// subnormals, infinities and both zeros included), bit for bit; a NaN stays a NaN of its sign.
+TEST(Movement, Widen16IsExactOnEveryPattern) {
+  std::vector<uint16_t> in(65536);
+  std::iota(in.begin(), in.end(), uint16_t(0));
+  for (bool bf16 : {true, false}) {
+    std::vector<float> out(in.size());
+    movement::host::widen_16(out.data(), in.data(), int64_t(in.size()), bf16);
+    for (size_t i = 0; i < in.size(); ++i) {
+      const float want = bf16 ? to_float(dattn::bf16{in[i]}) : to_float(dattn::f16{in[i]});
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(out[i])) << (bf16 ? "bf16 " : "fp16 ") << std::hex << in[i];
+        ASSERT_EQ(std::signbit(out[i]), std::signbit(want)) << std::hex << in[i];
+        continue;
+      }
+      uint32_t a, b;
+      std::memcpy(&a, &out[i], 4);
+      std::memcpy(&b, &want, 4);
+      ASSERT_EQ(a, b) << (bf16 ? "bf16 " : "fp16 ") << std::hex << in[i] << ": " << out[i] << " vs "
+                      << want;
+    }
+  }
+}
 
 TEST(Movement, GatherAndScatterMatchLoops) {
   for (size_t rb : kRowBytes) {

@@ -37,6 +37,8 @@ namespace dattn::movement {
 //
 // add_floats: out[i] = a[i] + b[i] for i < n (fp32; out may be a or b): the ring backward's
 //   running dK|dV sum.
+// widen_16: out[i] = the value of the 16-bit float in[i] (bf16 when bf16, else IEEE fp16), exact
+//   (subnormals, infinities and NaN included), for i < n.
 //
 // add_sinks: attention sinks joined to a merged partial, in place: per row, with s = sinks[h] (h
 //   the row's head; sinks [heads] fp32, on the same memory as out), lse' = log(exp(lse) + exp(s))
@@ -60,6 +62,7 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
 void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
                int64_t heads, int64_t dv);
 void add_floats(float* out, const float* a, const float* b, int64_t n);
+void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16);
 }  // namespace host
 
 // Device memory, Thrust's CUDA backend, ordered on `stream` (a cudaStream_t; nullptr: the
@@ -83,6 +86,7 @@ void unweigh_partial(float* out, float* lse, const float* packed, const float* m
 void add_sinks(float* out, float* lse, const float* sinks, int64_t batch, int64_t seq,
                int64_t heads, int64_t dv, void* stream);
 void add_floats(float* out, const float* a, const float* b, int64_t n, void* stream);
+void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16, void* stream);
 }  // namespace cuda
 
 }  // namespace dattn::movement

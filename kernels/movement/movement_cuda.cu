@@ -66,6 +66,10 @@ void add_floats(float* out, const float* a, const float* b, int64_t n, void* str
   add_floats_with(on(stream), out, a, b, n);
 }
 
+void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16, void* stream) {
+  widen_16_with(on(stream), out, in, n, bf16);
+}
+
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv, void* stream) {
   weigh_partial_with(on(stream), packed, out, lse, m, batch, seq, heads, dv);

@@ -91,6 +91,10 @@ void add_floats(float* out, const float* a, const float* b, int64_t n) {
           [&](const auto& policy) { add_floats_with(policy, out, a, b, n); });
 }
 
+void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16) {
+  on_host(size_t(n) * 6, [&](const auto& policy) { widen_16_with(policy, out, in, n, bf16); });
+}
+
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv) {
   on_host(size_t(batch * seq * heads * dv) * sizeof(float), [&](const auto& policy) {

@@ -291,6 +291,45 @@ void add_floats_with(const Policy& policy, float* out, const float* a, const flo
     thrust::for_each_n(policy, thrust::counting_iterator<int64_t>(0), n, AddFloats{out, a, b});
 }
 
+// The value of a 16-bit float's bits: bf16 is fp32's top half; fp16 is rebiased (exponent 15 to
+// 127), its subnormals normalised, its infinities and NaNs kept.
+DATTN_MOVEMENT_HD inline float widen_bits(uint16_t h, bool bf16) {
+  uint32_t bits = uint32_t(h) << 16;
+  if (!bf16) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1fu) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+      bits = sign;
+    } else {  // man * 2^-24: shift its leading one to bit 10, k shifts, exponent 113 - k
+      uint32_t e = 113;
+      while ((man & 0x400u) == 0) {
+        man <<= 1;
+        --e;
+      }
+      bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
+    }
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Widen16 {
+  float* out;
+  const uint16_t* in;
+  bool bf16;
+  DATTN_MOVEMENT_HD void operator()(int64_t i) const { out[i] = widen_bits(in[i], bf16); }
+};
+
+template <class Policy>
+void widen_16_with(const Policy& policy, float* out, const uint16_t* in, int64_t n, bool bf16) {
+  if (n > 0) thrust::for_each_n(policy, thrust::counting_iterator<int64_t>(0), n, Widen16{out, in, bf16});
+}
+
 template <class Policy>
 void weigh_partial_with(const Policy& policy, float* packed, const float* out, const float* lse,
                         const float* m, int64_t batch, int64_t seq, int64_t heads, int64_t dv) {

@@ -45,6 +45,10 @@ class Tensor {
   static Tensor zeros(std::initializer_list<int64_t> shape, DType dtype,
                       Device device = Device::cpu());
   static Tensor full(std::initializer_list<int64_t> shape, DType dtype, float value);
+  // Uninitialised, of t's shape and device, in `dtype`.
+  static Tensor empty_like(const Tensor& t, DType dtype) {
+    return allocate(t.ndim_, t.shape_, dtype, t.device_);
+  }
   // Wraps memory the caller owns and keeps alive.
   static Tensor wrap(void* data, std::initializer_list<int64_t> shape, DType dtype,
                      Device device = Device::cpu());

@@ -31,6 +31,9 @@ void clear_partial(float* out, int64_t out_n, float* lse, int64_t lse_n, void*) 
 void add_floats(float* out, const float* a, const float* b, int64_t n, void*) {
   host::add_floats(out, a, b, n);
 }
+void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16, void*) {
+  host::widen_16(out, in, n, bf16);
+}
 void weigh_partial(float* packed, const float* out, const float* lse, const float* m, int64_t batch,
                    int64_t seq, int64_t heads, int64_t dv, void*) {
   host::weigh_partial(packed, out, lse, m, batch, seq, heads, dv);

@@ -199,6 +199,21 @@ TEST(CudaMovement, MergeClearWeighSinksMatchHost) {
   EXPECT_EQ(d_sum.host(), sum) << "add_floats";
   EXPECT_EQ(d_sa.host(), sum) << "add_floats in place";
 
+  // widen_16, every 16-bit pattern: the host's values, bit for bit
+  std::vector<uint16_t> bits(65536);
+  for (size_t i = 0; i < bits.size(); ++i)
+    bits[i] = uint16_t(i);
+  DeviceVector<uint16_t> d_bits(bits);
+  for (bool bf16 : {true, false}) {
+    std::vector<float> wide(bits.size());
+    movement::host::widen_16(wide.data(), bits.data(), int64_t(bits.size()), bf16);
+    DeviceVector<float> d_wide{std::vector<float>(bits.size())};
+    movement::cuda::widen_16(d_wide.get(), d_bits.get(), int64_t(bits.size()), bf16, nullptr);
+    const std::vector<float> got = d_wide.host();
+    EXPECT_EQ(std::memcmp(got.data(), wide.data(), wide.size() * 4), 0)
+        << "widen_16 " << (bf16 ? "bf16" : "fp16");
+  }
+
   // clear_partial
   movement::cuda::clear_partial(d_oa.get(), int64_t(n_out), d_la.get(), int64_t(n_lse), nullptr);
   for (float x : d_oa.host())

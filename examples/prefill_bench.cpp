@@ -30,7 +30,7 @@ constexpr int64_t kSampleRows = 8;  // query rows per rank the check compares
 
 class Prefill final : public Workload {
  public:
-  // Every strategy's forward runs on a GPU (the dtype checked in resolve).
+  // Every strategy runs on a GPU, forward and backward (the dtype checked in resolve).
   Defaults defaults() const override { return {.runs_on_cuda = true}; }
 
   void add_options(po::options_description& desc) override {
@@ -121,7 +121,6 @@ class Prefill final : public Workload {
     if (e.launch.device == "cuda") {
       require_option(shape_.dtype != DType::f32, "--dtype", shape_.dtype_name,
                      "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
-      require_option(!backward_, "--backward", "on", "off with --device cuda (a CPU-only pass)");
     }
     for (int64_t s = seq_begin_; s <= seq_end_; s *= seq_factor_) {
       seqs_.push_back(s);

@@ -137,6 +137,12 @@ if ((build_ok)) && [[ -x $prefill ]]; then
   step "prefill bench" 60 "$prefill" --device cuda -t bf16 -H 16 -G 16 -d 128 -s 4096 -e 16384 \
     -f 2 -n 5 -k 1 --json "$out/prefill.json" || failed+=(prefill)
 fi
+# Its backward (ring over NCCL, the CUDA backward kernel), shorter: the first backward kernel is
+# the correctness-first one.
+if ((build_ok)) && [[ -x $prefill ]]; then
+  step "prefill backward bench" 60 "$prefill" --device cuda -t bf16 -H 16 -G 16 -d 128 -s 4096 \
+    -n 3 -B -k 1 --json "$out/prefill_backward.json" || failed+=(prefill-backward)
+fi
 decode=$build/bin/dattn-decode-bench
 if ((build_ok)) && [[ -x $decode ]]; then
   step "decode bench" 45 "$decode" --device cuda -a tree -t bf16 -k 1 || failed+=(decode)

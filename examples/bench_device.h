@@ -23,7 +23,8 @@ inline Partial to_host(const Partial& p) {
 }
 
 // Waits for the device's queued work: the API returns once a GPU's kernels and collectives are
-// queued (on the legacy default stream), so a timed call ends here. Nothing to wait for on the CPU.
+// queued (on the Runtime's stream, and NCCL's joined to it), so a timed call ends here. Nothing to
+// wait for on the CPU.
 inline void synchronize(Device device) {
   if (device.is_cpu()) return;
 #if DATTN_WITH_CUDA

@@ -100,6 +100,7 @@ void check_local_finite(std::initializer_list<std::tuple<const Tensor*, const ch
 
 Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                   const AttnSpec& spec, const Layout& layout, Strategy strategy) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));
   const int U = ulysses_degree_of(rt, strategy);
@@ -223,6 +224,7 @@ Gradients attention_local_backward(const Tensor& q, const Tensor& k, const Tenso
 Gradients attention_backward(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Partial& fwd, const Tensor& dout, const AttnSpec& spec,
                              const Layout& layout, Strategy strategy) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const int U = ulysses_degree_of(rt, strategy);
   const uint64_t hash = attention_config_hash(spec, layout, strategy, q.dtype(), q.size(0));

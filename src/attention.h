@@ -30,9 +30,10 @@ Strategy parse_strategy(const std::string& name);  // throws dattn::Error naming
 // Devices: q, k and v must be on rt.device(), and the result is there too. On a GPU runtime
 // (RuntimeOptions.device cuda) every strategy runs on bf16/fp16 within the CUDA kernel's limits
 // (kernels/cuda/limits.h; anything else throws on every rank before any data moves); the result
-// is complete in the order of the legacy default stream (stream 0: a cudaMemcpy or to_device of it,
-// or any kernel there, sees it; other streams synchronise first). The non-finite check copies
-// device tensors to the host to scan them.
+// is complete in the order of the Runtime's stream (RuntimeOptions.stream, by default the legacy
+// default stream: a copy or kernel queued there after the call sees it; other streams wait for
+// it first, src/base/stream.h), and the call returns without waiting for the device. The
+// non-finite check copies device tensors to the host to scan them (a host wait).
 //
 // Non-finite inputs (README "Numerics"): NaN or inf where the mask hides it changes no result: a
 // row's out, lse (and dq) depend only on its own q (and dout) and the keys it sees, a key's dk
@@ -46,9 +47,9 @@ Partial attention(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v
 
 // Attention of one process over whole tensors (no communication), on the device that holds them
 // (host tensors: the CPU kernel; cuda tensors, bf16/fp16 and band or document masks: the CUDA
-// kernel, asynchronous on the default stream): q at global positions q_pos0.., k/v at k_pos0...
-// It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q, k, v (and dout,
-// attention_local_backward) for NaN and inf.
+// kernel, asynchronous on the current stream of src/base/stream.h): q at global positions q_pos0..,
+// k/v at k_pos0... It takes no Runtime: DATTN_CHECK_FINITE=1 turns on its check of q, k, v (and
+// dout, attention_local_backward) for NaN and inf.
 Partial attention_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttnSpec& spec,
                         int64_t q_pos0 = 0, int64_t k_pos0 = 0);
 

@@ -180,6 +180,7 @@ uint64_t KvCache::hash() const {
 // ================================================================== the decode step
 
 Partial decode(Runtime& rt, const Tensor& q, const KvCache& cache, DecodeStrategy strategy) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;
   uint64_t hash = hash_mix(cache.hash(), uint64_t(strategy));

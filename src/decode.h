@@ -37,8 +37,10 @@ class KvCache {
   // Stores this rank's shard of the prompt's K/V ([B, layout.local_len(rank), H_kv, D]); the
   // context is then layout.global_seq() tokens at the layout's positions. Once, before appends.
   // prefill and append take host or device tensors whatever the cache's device (a GPU cache
-  // copies the rows with cudaMemcpy2D on the legacy default stream: a decode step queued later
-  // sees them, and the caller's tensors may be reused or freed on return).
+  // allocates and copies on the current stream, src/base/stream.h: a decode step queued later
+  // there sees the rows, and the caller's host tensors may be reused or freed on return). With a
+  // Runtime on a stream of its own, construct, prefill and append under
+  // StreamScope(rt.stream()).
   void prefill(const Tensor& k_shard, const Tensor& v_shard, const Layout& layout);
   // Appends n tokens at global positions length() .. length() + n - 1. k_new [B, n, H_kv, D] and
   // v_new are the same on every rank (only the ranks that keep a token read it: with last_rank,
@@ -86,8 +88,8 @@ class KvCache {
 // lse [B, H_q, S_q], fp32. strategy: tree (two-level when rt.spans_nodes()), ring or allgather.
 // q and the cache are on rt.device(), and so is the result. On a GPU runtime every strategy runs
 // on bf16/fp16 within the CUDA kernel's limits (kernels/cuda/limits.h; anything else throws on
-// every rank before data moves); the result is complete in the order of the legacy default
-// stream, as dattn::attention's.
+// every rank before data moves); the result is complete in the order of the Runtime's stream,
+// as dattn::attention's.
 // A cache's unused capacity is never read. With the non-finite check on (RuntimeOptions.
 // check_finite or DATTN_CHECK_FINITE=1), q and this rank's filled cache rows are scanned during
 // the agreed validation; a NaN or inf throws on every rank naming "q", "cache k" or "cache v",

@@ -1,6 +1,7 @@
 // The dispatch layer (src/dispatch.h): the CPU kernels, memcpy and movement::host for host
-// memory; the CUDA kernels, the CUDA runtime and movement::cuda for GPU memory, on the legacy
-// default stream. The one file of src/ that picks a kernel by the device.
+// memory; the CUDA kernels, the CUDA runtime and movement::cuda for GPU memory, on the current
+// stream (src/base/stream.h: the Runtime's). The one file of src/ that picks a kernel by the
+// device.
 #include "src/dispatch.h"
 
 #include <atomic>
@@ -16,6 +17,7 @@
 #include "kernels/merge.h"
 #include "kernels/movement/movement.h"
 #include "src/base/error.h"
+#include "src/base/stream.h"
 #if DATTN_WITH_CUDA
 #include "kernels/cuda/attention_backward_cuda.h"
 #include "kernels/cuda/attention_cuda.h"
@@ -26,7 +28,14 @@
 
 namespace dattn {
 
-#if !DATTN_WITH_CUDA
+#if DATTN_WITH_CUDA
+namespace {
+// The stream of this call's device work: the Runtime's (src/base/stream.h).
+cudaStream_t device_stream() {
+  return static_cast<cudaStream_t>(current_stream());
+}
+}  // namespace
+#else
 namespace {
 // The error of a GPU pointer in a build without the CUDA backend (such tensors cannot be made
 // there, so this names a caller's bug rather than a user's choice).
@@ -44,7 +53,7 @@ void copy_bytes(void* dst, const void* src, size_t bytes, Device device) {
   }
 #if DATTN_WITH_CUDA
   // Stream-ordered with the kernel that wrote src and the NCCL call that reads dst (header).
-  DATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+  DATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, device_stream()));
 #else
   no_cuda(device);
 #endif
@@ -57,7 +66,7 @@ void zero_floats(float* p, size_t n, Device device) {
     return;
   }
 #if DATTN_WITH_CUDA
-  DATTN_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), nullptr));
+  DATTN_CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), device_stream()));
 #else
   no_cuda(device);
 #endif
@@ -69,7 +78,7 @@ void add_floats(float* out, const float* a, const float* b, size_t n, Device dev
     return;
   }
 #if DATTN_WITH_CUDA
-  movement::cuda::add_floats(out, a, b, int64_t(n), nullptr);
+  movement::cuda::add_floats(out, a, b, int64_t(n), device_stream());
 #else
   no_cuda(device);
 #endif
@@ -81,7 +90,7 @@ Tensor as_f32(const Tensor& t) {
 #if DATTN_WITH_CUDA
   Tensor out = Tensor::empty_like(t, DType::f32);
   movement::cuda::widen_16(out.ptr<float>(), static_cast<const uint16_t*>(t.data()), t.numel(),
-                           t.dtype() == DType::bf16, nullptr);
+                           t.dtype() == DType::bf16, device_stream());
   return out;
 #else
   no_cuda(t.device());
@@ -103,20 +112,24 @@ void copy_rows(void* dst, Device dst_device, int64_t dst_seq, int64_t dst_row0, 
 #if DATTN_WITH_CUDA
   // One 2-D copy: `batch` blocks of rows * row_bytes contiguous bytes, at pitches of a batch
   // entry on each side. cudaMemcpyDefault: unified addressing tells host from device pointers.
-  // Synchronous for pageable host memory, and on the legacy default stream (the kernels'), so a
-  // decode step queued after it sees the rows. cudaMemcpy2D takes pitches below 2^31 bytes only
-  // (cudaDevAttrMaxPitch); a batch entry of a long cache may be larger: one copy per entry then.
+  // On the current stream, so a decode step queued after it sees the rows; a copy from pageable
+  // host memory has read it on return, and one to the host waits for the stream (the host reads
+  // the rows next). cudaMemcpy2D takes pitches below 2^31 bytes only (cudaDevAttrMaxPitch); a
+  // batch entry of a long cache may be larger: one copy per entry then.
+  cudaStream_t stream = device_stream();
   const size_t dst_pitch = size_t(dst_seq) * row_bytes, src_pitch = size_t(src_seq) * row_bytes;
   const size_t width = size_t(rows) * row_bytes;
   constexpr size_t kMaxPitch = (size_t(1) << 31) - 1;
   if (batch == 1 || dst_pitch > kMaxPitch || src_pitch > kMaxPitch) {
     for (int64_t b = 0; b < batch; ++b)
-      DATTN_CUDA_CHECK(cudaMemcpy(d + size_t(b) * dst_pitch, s + size_t(b) * src_pitch, width,
-                                  cudaMemcpyDefault));
-    return;
+      DATTN_CUDA_CHECK(cudaMemcpyAsync(d + size_t(b) * dst_pitch, s + size_t(b) * src_pitch, width,
+                                       cudaMemcpyDefault, stream));
+  } else {
+    DATTN_CUDA_CHECK(cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, width, size_t(batch),
+                                       cudaMemcpyDefault, stream));
   }
-  DATTN_CUDA_CHECK(
-      cudaMemcpy2D(d, dst_pitch, s, src_pitch, width, size_t(batch), cudaMemcpyDefault));
+  if (dst_device.is_cpu()) DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return;
 #else
   no_cuda(dst_device.is_cpu() ? src_device : dst_device);
 #endif
@@ -129,7 +142,8 @@ void pack_rows(Device device, void* buf, const void* src, int64_t outer, int64_t
     return;
   }
 #if DATTN_WITH_CUDA
-  movement::cuda::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes, nullptr);
+  movement::cuda::pack_rows(buf, src, outer, inner, outer_stride, inner_stride, row_bytes,
+                            device_stream());
 #else
   no_cuda(device);
 #endif
@@ -143,7 +157,7 @@ void unpack_rows(Device device, void* dst, const void* buf, int64_t outer, int64
   }
 #if DATTN_WITH_CUDA
   movement::cuda::unpack_rows(dst, buf, outer, inner, outer_stride, inner_stride, row_bytes,
-                              nullptr);
+                              device_stream());
 #else
   no_cuda(device);
 #endif
@@ -156,7 +170,8 @@ void merge_partials(Device device, float* out_a, float* lse_a, const float* out_
     return;
   }
 #if DATTN_WITH_CUDA
-  movement::cuda::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv, nullptr);
+  movement::cuda::merge_partials(out_a, lse_a, out_b, lse_b, batch, seq, heads, dv,
+                                 device_stream());
 #else
   no_cuda(device);
 #endif
@@ -169,7 +184,7 @@ void weigh_partial(Device device, float* packed, const float* out, const float* 
     return;
   }
 #if DATTN_WITH_CUDA
-  movement::cuda::weigh_partial(packed, out, lse, m, batch, seq, heads, dv, nullptr);
+  movement::cuda::weigh_partial(packed, out, lse, m, batch, seq, heads, dv, device_stream());
 #else
   no_cuda(device);
 #endif
@@ -182,7 +197,7 @@ void unweigh_partial(Device device, float* out, float* lse, const float* packed,
     return;
   }
 #if DATTN_WITH_CUDA
-  movement::cuda::unweigh_partial(out, lse, packed, m, batch, seq, heads, dv, nullptr);
+  movement::cuda::unweigh_partial(out, lse, packed, m, batch, seq, heads, dv, device_stream());
 #else
   no_cuda(device);
 #endif
@@ -250,7 +265,7 @@ void clear_partial(Partial& p) {
   }
 #if DATTN_WITH_CUDA
   movement::cuda::clear_partial(p.out.ptr<float>(), p.out.numel(), p.lse.ptr<float>(),
-                                p.lse.numel(), nullptr);
+                                p.lse.numel(), device_stream());
 #else
   no_cuda(p.out.device());
 #endif
@@ -265,13 +280,14 @@ void add_sinks(Partial& p, const std::vector<float>& sinks) {
     return;
   }
 #if DATTN_WITH_CUDA
-  // The sinks to device memory, one small copy per call; freed on return in the order of the
-  // default stream, after the kernel that reads them (src/base/tensor.h).
+  // The sinks to device memory, one small copy per call (from pageable memory: read when the call
+  // returns); freed on return in the order of the stream, after the kernel that reads them
+  // (src/base/tensor.h).
   const Tensor s = byte_buffer(sinks.size() * sizeof(float), p.out.device());
-  DATTN_CUDA_CHECK(
-      cudaMemcpy(s.data(), sinks.data(), sinks.size() * sizeof(float), cudaMemcpyHostToDevice));
+  DATTN_CUDA_CHECK(cudaMemcpyAsync(s.data(), sinks.data(), sinks.size() * sizeof(float),
+                                   cudaMemcpyHostToDevice, device_stream()));
   movement::cuda::add_sinks(p.out.ptr<float>(), p.lse.ptr<float>(), s.ptr<float>(), B, S, H, Dv,
-                            nullptr);
+                            device_stream());
 #else
   no_cuda(p.out.device());
 #endif
@@ -326,18 +342,19 @@ void set_runs(BlockOfWork& blk, const Run& qr, const Run& kr) {
 
 #if DATTN_WITH_CUDA
 // The mask's document boundaries in device memory, as the CUDA kernels read them (one copy per
-// call; undefined without documents). Freed with the last copy of the tensor, in the order of the
-// default stream (src/base/tensor.h): after the kernels queued before, without a host wait.
+// call, from pageable memory: read when the call returns; undefined without documents). Freed with
+// the last copy of the tensor, in the order of the stream (src/base/tensor.h): after the kernels
+// queued before, without a host wait.
 Tensor device_cu_seqlens(const Mask& mask, Device device) {
   if (!mask.documents) return {};
   const std::vector<int64_t>& docs = *mask.documents;
   Tensor cu = byte_buffer(docs.size() * sizeof(int64_t), device);
-  DATTN_CUDA_CHECK(
-      cudaMemcpy(cu.data(), docs.data(), docs.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  DATTN_CUDA_CHECK(cudaMemcpyAsync(cu.data(), docs.data(), docs.size() * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, device_stream()));
   return cu;
 }
 
-// attend_runs on a GPU, on the legacy default stream (the header says why). A kernel queued after
+// attend_runs on a GPU, on the current stream (the header says why). A kernel queued after
 // Communicator::start() overlaps the messages of its own step (src/strategies/ring.cpp). A run of
 // few query rows (a decode step, star's phase 2) goes to the split-KV decode kernel, which fills
 // the GPU over the keys; longer runs to the forward, whose grid is over query tiles.
@@ -352,13 +369,13 @@ void attend_runs_cuda(const Tensor& q, const std::vector<Run>& q_runs, const voi
     for (const Run& kr : k_runs) {
       set_runs(blk, qr, kr);
       if (decode)
-        cuda::decode_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+        cuda::decode_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), device_stream());
       else
-        cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), nullptr);
+        cuda::attention_forward(blk, res.out.ptr<float>(), res.lse.ptr<float>(), device_stream());
     }
   }
   // The kernels read cu_seqlens until they finish; its storage is freed on return, in the order
-  // of the default stream where they run (src/base/tensor.h): after them, without a host wait.
+  // of the stream where they run (src/base/tensor.h): after them, without a host wait.
 }
 #endif
 
@@ -403,7 +420,8 @@ void backward_runs(const Tensor& q, const std::vector<Run>& q_runs, const void* 
     for (const Run& qr : q_runs) {
       for (const Run& kr : k_runs) {
         set_runs(blk, qr, kr);
-        cuda::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv, nullptr);
+        cuda::attention_backward(blk, dout.data(), dout.dtype(), lse, delta, dq, dk, dv,
+                                 device_stream());
       }
     }
     return;
@@ -426,7 +444,7 @@ Tensor backward_delta(const Tensor& dout, const Tensor& out) {
   if (!out.device().is_cpu()) {
 #if DATTN_WITH_CUDA
     cuda::attention_backward_delta(dout.data(), dout.dtype(), out.ptr<float>(), B, S, H,
-                                   out.size(3), delta.ptr<float>(), nullptr);
+                                   out.size(3), delta.ptr<float>(), device_stream());
     return delta;
 #else
     no_cuda(out.device());
@@ -446,7 +464,7 @@ void mla_absorbed_decode(Device device, const MlaAbsorbedBlock& blk, const Mask&
   }
 #if DATTN_WITH_CUDA
   DATTN_ASSERT(!mask.documents);  // refused by check_mla_limits
-  cuda::mla_absorbed_decode(blk, out, out_heads, out_h0, lse, nullptr);
+  cuda::mla_absorbed_decode(blk, out, out_heads, out_h0, lse, device_stream());
 #else
   (void)blk, (void)mask, (void)out, (void)out_heads, (void)out_h0, (void)lse;
   no_cuda(device);

@@ -4,12 +4,12 @@
 // backward_runs), empty partials, the absorbed MLA decode step, the small copies and elementwise
 // steps (packing, merges, the tree decode's weighting), and the check of the CUDA kernels' limits.
 //
-// GPU work goes on the legacy default stream (stream 0), where every kernel runs: the NCCL
-// communicator's own stream waits for what stream 0 holds each time it issues
-// (NcclCommunicator::follow_default_stream) and its waits complete on the host, so each kernel
-// runs after the receive that filled its block and before any later NCCL call that overwrites that
-// block or reads the result, with no event in the callers. Calls return once the GPU work is
-// queued.
+// GPU work goes on the current stream (src/base/stream.h: the Runtime's), where every kernel
+// runs: the NCCL communicator's own stream waits for what that stream holds each time it issues
+// (NcclCommunicator::follow_current_stream), and its waits make the current stream wait for the
+// NCCL stream on the GPU (an event), so each kernel runs after the receive that filled its block
+// and before any later NCCL call that overwrites that block or reads the result, with no event in
+// the callers. Calls return once the GPU work is queued; only a copy to host memory waits.
 #pragma once
 
 #include <cstddef>

@@ -316,6 +316,7 @@ MlaCacheShard mla_shard_cache(const MlaConfig& cfg, MlaParallel parallel, const 
 Tensor mla_decode(Runtime& rt, MlaParallel parallel, const MlaConfig& cfg, const MlaWeights& w,
                   const Tensor& q_nope, const Tensor& q_pe, const MlaCacheShard& shard,
                   int64_t q_pos0, const TplaOptions& opt, const Mask& mask) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const int G = comm.size(), g = comm.rank();
   uint64_t h = kHashSeed;

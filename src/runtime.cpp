@@ -97,10 +97,13 @@ Runtime Runtime::from_mpi(MPI_Comm comm, const RuntimeOptions& options) {
                     ">= 0 seconds (0: DATTN_TIMEOUT, else 300)");
     DATTN_CHECK_ARG(options.node_size >= 0, "node_size", options.node_size,
                     ">= 0 (0: the real nodes)");
+    DATTN_CHECK_ARG(options.stream == nullptr || !options.device.is_cpu(), "stream",
+                    "a CUDA stream", "null on a cpu Runtime (a stream orders GPU work only)");
     DATTN_CHECK_ARG(options.ulysses >= 1 && cp % options.ulysses == 0, "ulysses", options.ulysses,
                     detail::cat("a divisor of the cp degree (", cp, ")"));
   });
   rt.device_ = options.device;
+  rt.stream_ = options.stream;
   rt.tp_ = options.tp;
   // Ranks with the same tp index form a cp group; tp is the fastest-varying index.
   rt.cp_ = rt.world_->split(rt.world_->rank() % rt.tp_, rt.world_->rank() / rt.tp_);

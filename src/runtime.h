@@ -8,6 +8,7 @@
 #include <string>
 
 #include "collective/communicator.h"
+#include "src/base/stream.h"
 #include "src/base/tensor.h"
 
 namespace dattn {
@@ -40,6 +41,11 @@ struct RuntimeOptions {
   // environment variable DATTN_TIMEOUT (seconds > 0, "inf" for no deadline); else 300 s.
   // Not part of the configuration the ranks must agree on.
   double timeout_s = 0;
+  // cuda only: the CUDA stream (a cudaStream_t, not owned) every call of this Runtime queues its
+  // device work on, e.g. torch.cuda.current_stream().cuda_stream; null: the legacy default
+  // stream. No call waits for the device (src/base/stream.h has the contract); set_stream
+  // changes it between calls. Not part of the configuration the ranks must agree on.
+  StreamHandle stream = nullptr;
 };
 
 // Whether DATTN_CHECK_FINITE=1 is set (the non-finite check of the entry points that take no
@@ -75,6 +81,10 @@ class Runtime {
   ByteCounters counters() const;
   void reset_counters();
   Device device() const { return device_; }
+  // The stream of this Runtime's calls (RuntimeOptions.stream), and a new one for the calls after
+  // this (the caller orders the two: what the old stream holds that the new one reads).
+  StreamHandle stream() const { return stream_; }
+  void set_stream(StreamHandle stream) { stream_ = stream; }
   int threads() const { return threads_; }
   int node_ranks() const { return node_ranks_; }  // ranks sharing this node
   // Whether the non-finite check runs: RuntimeOptions.check_finite or DATTN_CHECK_FINITE=1
@@ -88,6 +98,7 @@ class Runtime {
   std::unique_ptr<Communicator> ulysses_group_, ring_group_;
   std::unique_ptr<Communicator> node_, node_leaders_;
   Device device_;
+  StreamHandle stream_ = nullptr;
   int tp_ = 1;
   int ulysses_ = 1;
   int threads_ = 1;

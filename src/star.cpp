@@ -12,6 +12,7 @@ namespace dattn {
 
 Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor& v,
                      const AttnSpec& spec, const Layout& layout, int64_t anchor) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const int P = comm.size(), me = comm.rank();
   uint64_t hash = attention_config_hash(spec, layout, Strategy::ring, q.dtype(), q.size(0));
@@ -41,6 +42,7 @@ Partial star_prefill(Runtime& rt, const Tensor& q, const Tensor& k, const Tensor
 }
 
 Partial star_decode(Runtime& rt, const Tensor& q, const KvCache& cache) {
+  StreamScope on_stream(rt.stream());  // all device work of this call on its stream
   Communicator& comm = rt.cp();
   const int P = comm.size(), me = comm.rank(), root = P - 1;
   const int64_t Sq = q.dim() == 4 ? q.size(1) : 0;

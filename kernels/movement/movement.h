@@ -66,7 +66,7 @@ void widen_16(float* out, const uint16_t* in, int64_t n, bool bf16);
 }  // namespace host
 
 // Device memory, Thrust's CUDA backend, ordered on `stream` (a cudaStream_t; nullptr: the
-// default stream); returns once the work is queued. Only in builds with DATTN_WITH_CUDA.
+// legacy default stream); returns once the work is queued. Only in builds with DATTN_WITH_CUDA.
 namespace cuda {
 void gather_rows(void* dst, const void* src, const int64_t* idx, int64_t n, size_t row_bytes,
                  void* stream);

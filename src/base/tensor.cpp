@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "src/base/error.h"
+#include "src/base/stream.h"
 #if DATTN_WITH_CUDA
 #include "src/base/cuda_check.h"
 #endif
@@ -106,17 +107,20 @@ Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DT
     // Never 0 bytes (a null pointer would read as "no storage"); at least 256-byte aligned.
     const size_t bytes = std::max<size_t>(256, t.nbytes());
     if (memory_pools(device.index)) {
-      // Stream-ordered on the legacy default stream, where the kernels and copies run: no device
-      // synchronisation per allocation and free (cudaFree waits for the whole device), and the
-      // pool reuses memory from call to call. The library's NCCL calls are complete before a
-      // buffer they used is released (see src/base/tensor.h for what that asks of the caller).
-      DATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes, cudaStreamLegacy));
-      t.storage_ = std::shared_ptr<void>(p, [index = device.index](void* q) {
+      // Stream-ordered on the current stream (src/base/stream.h), where the kernels and copies
+      // that use the buffer run: no device synchronisation per allocation and free (cudaFree
+      // waits for the whole device), and the pool reuses memory from call to call. The free goes
+      // on the same stream, in its order after the work queued there; the library joins its
+      // NCCL stream back to it before a buffer a collective used is released (see
+      // src/base/tensor.h for what that asks of the caller).
+      cudaStream_t stream = static_cast<cudaStream_t>(current_stream());
+      DATTN_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+      t.storage_ = std::shared_ptr<void>(p, [index = device.index, stream](void* q) {
         // Never throws (a deleter): errors at exit, after CUDA's teardown, are ignored.
         int previous = index;
         cudaGetDevice(&previous);
         if (previous != index) cudaSetDevice(index);
-        cudaFreeAsync(q, cudaStreamLegacy);
+        cudaFreeAsync(q, stream);
         if (previous != index) cudaSetDevice(previous);
       });
     } else {
@@ -147,7 +151,8 @@ Tensor Tensor::zeros(std::initializer_list<int64_t> shape, DType dtype, Device d
   if (!device.is_cpu()) {
 #if DATTN_WITH_CUDA
     DeviceScope scope(device.index);
-    DATTN_CUDA_CHECK(cudaMemset(t.data_, 0, t.nbytes()));
+    DATTN_CUDA_CHECK(
+        cudaMemsetAsync(t.data_, 0, t.nbytes(), static_cast<cudaStream_t>(current_stream())));
 #endif
     return t;
   }
@@ -163,8 +168,12 @@ Tensor Tensor::to_device(Device device) const {
   }
 #if DATTN_WITH_CUDA
   // cudaMemcpyDefault: the driver tells host from device pointers (unified addressing), which
-  // covers host->device, device->host and device->device (also between two GPUs).
-  DATTN_CUDA_CHECK(cudaMemcpy(out.data_, data_, nbytes(), cudaMemcpyDefault));
+  // covers host->device, device->host and device->device (also between two GPUs). On the current
+  // stream; only a copy to the host waits for it, since the host reads the result on return. (A
+  // copy from pageable host memory has read it when cudaMemcpyAsync returns.)
+  cudaStream_t stream = static_cast<cudaStream_t>(current_stream());
+  DATTN_CUDA_CHECK(cudaMemcpyAsync(out.data_, data_, nbytes(), cudaMemcpyDefault, stream));
+  if (device.is_cpu()) DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
 #endif
   return out;
 }

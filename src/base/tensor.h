@@ -36,10 +36,11 @@ class Tensor {
   Tensor() = default;
   // Allocates uninitialised storage: 64-byte aligned host memory, or with Device::cuda(i)
   // memory on GPU i (a CUDA build only, else dattn::Error naming the device). GPU memory comes
-  // from CUDA's stream-ordered pool (cudaMallocAsync) where the device has one, and is freed in
-  // the order of the legacy default stream, where the library queues its work: a caller that
-  // reads a device tensor on another stream must have that stream's work done, or waited for by
-  // the default stream, before the last copy of the tensor is released.
+  // from CUDA's stream-ordered pool (cudaMallocAsync) where the device has one, allocated and
+  // freed on the current stream (src/base/stream.h: a Runtime call's stream, else the legacy
+  // default stream), so that stream must outlive the tensor. A caller that reads a device tensor
+  // on another stream must make the allocating stream wait for that work (an event) before the
+  // last copy of the tensor is released.
   static Tensor empty(std::initializer_list<int64_t> shape, DType dtype,
                       Device device = Device::cpu());
   static Tensor zeros(std::initializer_list<int64_t> shape, DType dtype,

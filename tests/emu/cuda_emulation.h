@@ -635,10 +635,12 @@ inline dim3 block_dim() {
 
 // kernel: a __global__ function or a variable holding one (its address is what
 // cudaFuncSetAttribute raised the shared-memory limit of).
-#define DATTN_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)                         \
-  ((void)(stream), ::dattn::emu::launch(#kernel, std::source_location::current(),          \
-                                        reinterpret_cast<const void*>(kernel), dim3(grid), \
-                                        dim3(block), (smem_bytes), [&] { kernel(__VA_ARGS__); }))
+// The launch counts an operation on its stream (fake_runtime.h: StreamStats).
+#define DATTN_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)                      \
+  (::dattn::emu::record_stream_op(static_cast<const void*>(stream)),                    \
+   ::dattn::emu::launch(#kernel, std::source_location::current(),                       \
+                        reinterpret_cast<const void*>(kernel), dim3(grid), dim3(block), \
+                        (smem_bytes), [&] { kernel(__VA_ARGS__); }))
 #define DATTN_DYNAMIC_SHARED(type, name) \
   type* name = reinterpret_cast<type*>(::dattn::emu::dynamic_shared())
 

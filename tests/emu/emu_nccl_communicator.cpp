@@ -33,6 +33,7 @@
 #include "collective/mpi_communicator.h"
 #include "collective/p2p_batch.h"
 #include "src/base/error.h"
+#include "src/base/stream.h"
 #include "tests/emu/fake_runtime.h"
 
 namespace dattn::emu {
@@ -234,8 +235,10 @@ class EmuNcclCommunicator final : public Communicator {
     counted(f);
   }
 
-  // Issues the pending operations as one batch, in the real backend's order.
+  // Issues the pending operations as one batch, in the real backend's order. The real backend
+  // records an event on the caller's stream first (follow_current_stream): counted there.
   void flush() {
+    record_stream_op(current_stream());
     if (pending_.empty()) return;
     std::vector<P2pOp> ops;
     ops.swap(pending_);
@@ -276,6 +279,7 @@ class EmuNcclCommunicator final : public Communicator {
   // Completes every issued operation under the deadline, checks sizes and send buffers, and
   // delivers the received bytes.
   void complete(const char* op) {
+    record_stream_op(current_stream());  // the real backend's join of the caller's stream
     if (issued_.empty()) return;
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();

@@ -6,7 +6,9 @@
 // writer (a transfer still in flight) is caught by the registry. Eight devices that are always
 // there (one per rank of the multi-rank tests, as on a GPU node); stream-ordered calls are done
 // at once. Linked instead of libcudart, so that the kernels' own host code (validation,
-// dispatch, scratch allocation) runs unchanged against the emulation.
+// dispatch, scratch allocation) runs unchanged against the emulation. Streams are handles that
+// count the calls queued on them (fake_runtime.h: StreamStats), so that a test can assert which
+// stream the work went to and that the host never waited.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -46,6 +48,9 @@ struct State {
   cudaError_t last_error = cudaSuccess;
   std::string message;                      // of the last error set with a message...
   cudaError_t message_error = cudaSuccess;  // ... which was this one
+  dattn::emu::StreamStats streams;
+  std::map<uintptr_t, bool> live_streams;  // cudaStreamCreate's handles
+  uintptr_t next_stream = 0x1000;
 };
 State& state() {
   static State s;
@@ -74,6 +79,18 @@ std::string hex(const void* p) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%p", p);
   return buf;
+}
+
+// The legacy default stream's key (null) for cudaStreamLegacy; other handles as they are.
+const void* stream_key(const void* stream) {
+  return stream == static_cast<const void*>(cudaStreamLegacy) ? nullptr : stream;
+}
+void count_op(cudaStream_t stream) {
+  dattn::emu::record_stream_op(stream);
+}
+void count_device_wait() {
+  std::lock_guard lock(state().mutex);
+  ++state().streams.device_waits;
 }
 
 bool device_range(const void* p, size_t bytes) {
@@ -154,6 +171,27 @@ void release(const void* p) {
   if (it != state().held.end()) state().held.erase(it);
 }
 
+long StreamStats::ops_on(const void* stream) const {
+  const auto it = ops.find(stream_key(stream));
+  return it == ops.end() ? 0 : it->second;
+}
+long StreamStats::waits_on(const void* stream) const {
+  const auto it = waits.find(stream_key(stream));
+  return it == waits.end() ? 0 : it->second;
+}
+void record_stream_op(const void* stream) {
+  std::lock_guard lock(state().mutex);
+  ++state().streams.ops[stream_key(stream)];
+}
+StreamStats stream_stats() {
+  std::lock_guard lock(state().mutex);
+  return state().streams;
+}
+void reset_stream_stats() {
+  std::lock_guard lock(state().mutex);
+  state().streams = StreamStats{};
+}
+
 void set_last_error(cudaError_t error, const std::string& message) {
   std::lock_guard lock(state().mutex);
   state().last_error = error;
@@ -195,10 +233,12 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   state().live[reinterpret_cast<uintptr_t>(*ptr)] = {bytes, current_device, state().next_id++};
   return cudaSuccess;
 }
-cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t) {
+cudaError_t cudaMallocAsync(void** ptr, size_t bytes, cudaStream_t stream) {
+  count_op(stream);
   return cudaMalloc(ptr, bytes);
 }
-cudaError_t cudaFree(void* ptr) {
+namespace {
+cudaError_t free_now(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
   State& s = state();
   std::lock_guard lock(s.mutex);
@@ -232,20 +272,13 @@ cudaError_t cudaFree(void* ptr) {
   }
   return cudaSuccess;
 }
-cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) {
-  return cudaFree(ptr);
-}
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+cudaError_t copy_now(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   if (const cudaError_t e = check_copy("cudaMemcpy", dst, src, bytes, kind)) return e;
   if (bytes > 0) std::memmove(dst, src, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
-}
-cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                         size_t height, cudaMemcpyKind kind) {
+cudaError_t copy_2d_now(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                        size_t height, cudaMemcpyKind kind) {
   if (height == 0 || width == 0) return cudaSuccess;
   if (width > dpitch || width > spitch)
     return fail(cudaErrorInvalidPitchValue, "cudaMemcpy2D: width above a pitch (emulated runtime)");
@@ -261,7 +294,7 @@ cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitc
                  width);
   return cudaSuccess;
 }
-cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+cudaError_t set_now(void* ptr, int value, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   if (!device_range(ptr, bytes))
     return fail(cudaErrorInvalidValue, "cudaMemset(" + std::to_string(bytes) +
@@ -270,8 +303,65 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
-  return cudaMemset(ptr, value, bytes);
+}  // namespace
+
+// The synchronous calls wait for the device (cudaFree: for the whole device); the Async ones
+// count an operation on their stream. Both are done at once.
+cudaError_t cudaFree(void* ptr) {
+  count_device_wait();
+  return free_now(ptr);
+}
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream) {
+  count_op(stream);
+  return free_now(ptr);
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  count_device_wait();
+  return copy_now(dst, src, bytes, kind);
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  count_op(stream);
+  return copy_now(dst, src, bytes, kind);
+}
+cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                         size_t height, cudaMemcpyKind kind) {
+  count_device_wait();
+  return copy_2d_now(dst, dpitch, src, spitch, width, height, kind);
+}
+cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
+                              size_t width, size_t height, cudaMemcpyKind kind,
+                              cudaStream_t stream) {
+  count_op(stream);
+  return copy_2d_now(dst, dpitch, src, spitch, width, height, kind);
+}
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+  count_device_wait();
+  return set_now(ptr, value, bytes);
+}
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+  count_op(stream);
+  return set_now(ptr, value, bytes);
+}
+// Streams: distinct handles, known until destroyed; the flags do not matter here (everything is
+// done at once).
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  std::lock_guard lock(state().mutex);
+  const uintptr_t h = state().next_stream++;
+  state().live_streams[h] = true;
+  *stream = reinterpret_cast<cudaStream_t>(h);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+  return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  std::lock_guard lock(state().mutex);
+  if (state().live_streams.erase(reinterpret_cast<uintptr_t>(stream)) == 0) {
+    state().last_error = cudaErrorInvalidResourceHandle;
+    return cudaErrorInvalidResourceHandle;
+  }
+  return cudaSuccess;
 }
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = kDevices;
@@ -318,9 +408,12 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
+  count_device_wait();
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) {
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  std::lock_guard lock(state().mutex);
+  ++state().streams.waits[stream_key(stream)];
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() {
@@ -369,6 +462,8 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidDevice";
     case cudaErrorInvalidPitchValue:
       return "cudaErrorInvalidPitchValue";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle";
     default:
       return "cudaError (emulated runtime)";
   }

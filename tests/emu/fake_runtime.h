@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <map>
 #include <string>
 
 namespace dattn::emu {
@@ -25,6 +26,25 @@ std::string describe_pointer(const void* p);
 // transfer still writes it (the legacy stream that frees is not ordered after NCCL's stream).
 void hold(const void* p, size_t bytes, const std::string& what);
 void release(const void* p);
+
+// Stream accounting, so that a test can assert where the library's device work went and that the
+// host never waited for the device. Every stream-ordered call (the Async copies and memsets,
+// cudaMallocAsync/cudaFreeAsync, a kernel launch, movement::cuda's functions, the NCCL-semantics
+// communicator's joins of the caller's stream, where NcclCommunicator records and waits for events)
+// counts one operation on its stream; the legacy default stream is null (cudaStreamLegacy
+// counts there). Host waits: per stream for cudaStreamSynchronize, and `device_waits` for the
+// calls that wait for the whole device or the legacy stream (cudaMemcpy, cudaMemcpy2D,
+// cudaMemset, cudaFree, cudaDeviceSynchronize).
+struct StreamStats {
+  std::map<const void*, long> ops;    // stream -> stream-ordered calls on it
+  std::map<const void*, long> waits;  // stream -> cudaStreamSynchronize calls
+  long device_waits = 0;
+  long ops_on(const void* stream) const;
+  long waits_on(const void* stream) const;
+};
+void record_stream_op(const void* stream);
+StreamStats stream_stats();
+void reset_stream_stats();
 
 // Makes `error` the runtime's pending error (cudaGetLastError returns and clears it,
 // cudaPeekAtLastError returns it) with `message` as its cudaGetErrorString.

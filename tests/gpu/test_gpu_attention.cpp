@@ -415,6 +415,74 @@ TEST_F(GpuAttention, DispatchAndUndispatchDeviceTensors) {
   }
 }
 
+// A Runtime on a stream of the caller's (RuntimeOptions.stream, as PyTorch's current stream is
+// handed in): forward and backward, ring and Ulysses, give the default-stream Runtime's results
+// bit for bit once the caller synchronises its stream; in the emulation, every device operation
+// of the calls went to that stream (none to the legacy default stream) and the host never waited
+// for the device. A CPU Runtime refuses a stream, naming it.
+TEST_F(GpuAttention, RunsOnTheCallersStream) {
+  cudaStream_t stream = nullptr;
+  DATTN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RuntimeOptions o = test::on_gpu(with_groups());
+  o.stream = stream;
+  Runtime& g = gpu();
+  auto on_stream = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
+  Runtime& s = *on_stream;
+  ASSERT_EQ(s.stream(), static_cast<StreamHandle>(stream));
+  const int P = s.cp_size(), me = s.cp_rank();
+  const Layout layout = Layout::zigzag(kS, P);
+  const AttnSpec spec = make_spec(MaskKind::causal);
+  const Device dev = s.device();
+  const Tensor qd =
+      layout.dispatch(test::random_tensor({kB, kS, kHq, kD}, kDtype, 1001), me).to_device(dev);
+  const Tensor kd =
+      layout.dispatch(test::random_tensor({kB, kS, kHkv, kD}, kDtype, 1002), me).to_device(dev);
+  const Tensor vd =
+      layout.dispatch(test::random_tensor({kB, kS, kHkv, kD}, kDtype, 1003), me).to_device(dev);
+  const Tensor doutd =
+      layout.dispatch(test::random_tensor({kB, kS, kHq, kD}, kDtype, 1004), me).to_device(dev);
+  DATTN_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs were written on the legacy stream
+
+  for (Strategy strategy : {Strategy::ring, Strategy::ulysses}) {
+    SCOPED_TRACE(strategy_name(strategy));
+#if DATTN_CUDA_EMULATION
+    emu::reset_stream_stats();
+#endif
+    const Partial fwd = attention(s, qd, kd, vd, spec, layout, strategy);
+    const Gradients grads = attention_backward(s, qd, kd, vd, fwd, doutd, spec, layout, strategy);
+#if DATTN_CUDA_EMULATION
+    const emu::StreamStats stats = emu::stream_stats();
+    EXPECT_GT(stats.ops_on(stream), 0);
+    EXPECT_EQ(stats.ops_on(nullptr), 0) << "device operations on the legacy default stream";
+    EXPECT_EQ(stats.device_waits, 0) << "synchronous CUDA calls (the host waited for the device)";
+    EXPECT_EQ(stats.waits_on(stream), 0) << "host waits for the Runtime's stream";
+#endif
+    DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const Partial want = attention(g, qd, kd, vd, spec, layout, strategy);
+    const Gradients want_grads =
+        attention_backward(g, qd, kd, vd, want, doutd, spec, layout, strategy);
+    DATTN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto same = [](const char* name, const Tensor& got, const Tensor& want_t) {
+      const Tensor a = got.to_device(Device::cpu()), b = want_t.to_device(Device::cpu());
+      EXPECT_EQ(a.nbytes(), b.nbytes()) << name;
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), std::min(a.nbytes(), b.nbytes())), 0) << name;
+    };
+    same("out", fwd.out, want.out);
+    same("lse", fwd.lse, want.lse);
+    same("dq", grads.dq, want_grads.dq);
+    same("dk", grads.dk, want_grads.dk);
+    same("dv", grads.dv, want_grads.dv);
+  }
+
+  RuntimeOptions cpu_options;
+  cpu_options.stream = stream;
+  EXPECT_TRUE(test::throws_naming([&] { (void)Runtime::from_mpi(MPI_COMM_WORLD, cpu_options); },
+                                  {"stream", "cpu Runtime"}));
+  DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  on_stream.reset();  // before its stream
+  DATTN_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 #if DATTN_CUDA_EMULATION
 // A kernel that fails while a ring step's transfers are in flight (injected: the first launch
 // check of the call fails on every rank): every rank gets the error, the transfers complete before

@@ -2,7 +2,8 @@
 // allgather decodes through dattn::decode on a GPU Runtime (NCCL cp group, CUDA kernels, device KV
 // cache) against the CPU backend's decode on the same ranks and inputs, against the float64
 // reference, and with the exact bytes of decode_send_bytes; the two-level tree over declared
-// nodes; and what the GPU decode rejects (host tensors, fp32) on every rank.
+// nodes; a Runtime on the caller's stream; and what the GPU decode rejects (host tensors, fp32) on
+// every rank.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -22,6 +23,9 @@
 #include "tests/gpu/partials.h"
 #include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
+#if DATTN_CUDA_EMULATION
+#include "tests/emu/fake_runtime.h"
+#endif
 
 namespace dattn {
 namespace {
@@ -295,6 +299,62 @@ TEST_F(GpuDecode, RejectsWhatTheGpuPathDoesNotRun) {
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(res.out.device(), dev);
   EXPECT_EQ(again.lse.device(), dev);
+}
+
+// A Runtime on a stream of the caller's, its cache made, prefilled and appended to under
+// StreamScope(rt.stream()) (src/decode.h): every decode strategy gives the default stream's result
+// bit for bit once the stream is synchronised; in the emulation all the device work of the cache
+// and the decodes went to that stream, none to the legacy default stream, with no host wait.
+TEST_F(GpuDecode, RunsOnTheCallersStream) {
+  cudaStream_t stream = nullptr;
+  DATTN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RuntimeOptions o = test::on_gpu();
+  o.stream = stream;
+  Runtime& g = gpu();
+  auto on_stream = std::make_unique<Runtime>(Runtime::from_mpi(MPI_COMM_WORLD, o));
+  Runtime& s = *on_stream;
+  const int P = s.cp_size();
+  const Device dev = s.device();
+  const AttnSpec spec = make_spec(MaskKind::window);  // sinks and softcap too
+  const int64_t s_q = 2, total = kS0 + s_q;
+  const Context ctx(total, 831);
+  const Layout layout = Layout::zigzag(kS0, P);
+  const Tensor q = test::random_tensor({kB, s_q, kHq, kD}, kDtype, 832).to_device(dev);
+  KvCache want_cache = prefilled_cache(spec, ctx, layout, total, dev, Device::cpu());
+  append_next(want_cache, ctx, s_q);
+  DATTN_CUDA_CHECK(cudaDeviceSynchronize());  // q and the reference cache: on the legacy stream
+  {
+#if DATTN_CUDA_EMULATION
+    emu::reset_stream_stats();
+#endif
+    StreamScope scope(s.stream());
+    KvCache cache = prefilled_cache(spec, ctx, layout, total, dev, Device::cpu());
+    append_next(cache, ctx, s_q);
+    std::vector<Partial> got;
+    for (DecodeStrategy st :
+         {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather})
+      got.push_back(decode(s, q, cache, st));
+#if DATTN_CUDA_EMULATION
+    const emu::StreamStats stats = emu::stream_stats();
+    EXPECT_GT(stats.ops_on(stream), 0);
+    EXPECT_EQ(stats.ops_on(nullptr), 0) << "device operations on the legacy default stream";
+    EXPECT_EQ(stats.device_waits, 0) << "synchronous CUDA calls (the host waited for the device)";
+    EXPECT_EQ(stats.waits_on(stream), 0) << "host waits for the Runtime's stream";
+#endif
+    DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    size_t i = 0;
+    for (DecodeStrategy st :
+         {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather}) {
+      const Partial a = to_host(got[i++]);
+      const Partial b = to_host(decode(g, q, want_cache, st));
+      EXPECT_EQ(std::memcmp(a.out.data(), b.out.data(), b.out.nbytes()), 0) << strategy_name(st);
+      EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), b.lse.nbytes()), 0) << strategy_name(st);
+    }
+    got.clear();
+  }  // the cache and results freed on the stream, before it goes
+  DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  on_stream.reset();
+  DATTN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

@@ -1,19 +1,25 @@
 // NcclCommunicator: bootstrap over MPI (unique id broadcast, non-blocking ncclCommInitRankConfig
-// under the deadline), each Communicator operation as NCCL calls on one stream, with byte
-// counting as MpiCommunicator counts, and the watchdog's poll loop at every blocking point.
+// under the deadline), each Communicator operation as NCCL calls on one stream joined to the
+// caller's stream by events, with byte counting as MpiCommunicator counts, the watchdog's poll
+// loop at every host wait (init, split, enqueue) and its thread over the completion events.
 #include "collective/nccl_communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <exception>
+#include <mutex>
 #include <numeric>
 #include <thread>
 #include <tuple>
 
 #include "collective/nccl_check.h"
 #include "src/base/cuda_check.h"
+#include "src/base/stream.h"
 
 namespace dattn {
 
@@ -83,7 +89,9 @@ class NcclGroup {
 // NCCL kernel whose peer is dead or never joined spins on the GPU forever, so the host would wait
 // until the batch system's wall time, with no word of which operation or peer. NCCL's own
 // answer to this is the same loop: query, check ncclCommGetAsyncError, and ncclCommAbort on
-// trouble (NCCL user guide, "Fault tolerance"). Pacing as in the MPI backend, simpler: spin
+// trouble (NCCL user guide, "Fault tolerance"). The host waits of this file (init, split, a
+// call's enqueue) poll here; the transfers themselves are watched by the Watchdog thread below,
+// since no call waits for them on the host. Pacing as in the MPI backend, simpler: spin
 // (yield between queries) for the first millisecond, where short collectives end, then sleep
 // 1/64 of the time waited (20 us to 1 ms), so a rank waiting for a slow peer gives its core back
 // and loses at most ~2% (or 1 ms) of its wait. A query is a driver call of about a microsecond;
@@ -151,16 +159,14 @@ std::string peers_text(const std::vector<int>& world_ranks) {
   return s;
 }
 
-// The watchdog's line and the end of the job. Why end it instead of throwing: the expired
-// operation is still enqueued (its buffers in NCCL's hands, its kernel maybe spinning), the peers
-// are stuck in theirs, and a caller that caught an Error would go on and leave them waiting. One
-// fprintf: one line, not interleaved with the other ranks' lines. ncclCommAbort first, so that
-// the kernels stop and NCCL's proxy threads do not keep the process alive.
-[[noreturn]] void watchdog_abort(ncclComm_t comm, const std::string& what, const std::string& group,
-                                 int size, double timeout_s, const std::string& reason,
-                                 double waited_s, const std::string& peers) {
-  int world_rank = -1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+// The watchdog's line, then ncclCommAbort, so that the kernels stop and NCCL's proxy threads do
+// not keep the process alive. Why end the job instead of throwing: the expired operation is still
+// enqueued (its buffers in NCCL's hands, its kernel maybe spinning), the peers are stuck in
+// theirs, and a caller that caught an Error would go on and leave them waiting. One fprintf: one
+// line, not interleaved with the other ranks' lines.
+void watchdog_line(ncclComm_t comm, int world_rank, const std::string& what,
+                   const std::string& group, int size, double timeout_s, const std::string& reason,
+                   double waited_s, const std::string& peers) {
   std::fprintf(stderr,
                "[rank %d] dattn watchdog: %s on %s (%d ranks, nccl) waited %.1f s (deadline %g s): "
                "%s; %s; aborting the job\n",
@@ -168,6 +174,15 @@ std::string peers_text(const std::vector<int>& world_ranks) {
                peers.c_str());
   std::fflush(stderr);
   if (comm != nullptr) ncclCommAbort(comm);
+}
+
+// The watchdog's end of the job from the thread that called MPI: MPI_Abort ends every rank.
+[[noreturn]] void watchdog_abort(ncclComm_t comm, const std::string& what, const std::string& group,
+                                 int size, double timeout_s, const std::string& reason,
+                                 double waited_s, const std::string& peers) {
+  int world_rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  watchdog_line(comm, world_rank, what, group, size, timeout_s, reason, waited_s, peers);
   MPI_Abort(MPI_COMM_WORLD, kWatchdogAbortCode);
   std::_Exit(kWatchdogAbortCode);  // MPI_Abort does not return; should it, end this rank
 }
@@ -204,15 +219,127 @@ struct CudaSetup {
   int device = -1;
   cudaStream_t stream = nullptr;
   bool owns_stream = false;
-  cudaEvent_t done = nullptr, ready = nullptr;
+  cudaEvent_t ready = nullptr;
   ~CudaSetup() {
-    if (done != nullptr) cudaEventDestroy(done);
     if (ready != nullptr) cudaEventDestroy(ready);
     if (owns_stream && stream != nullptr) cudaStreamDestroy(stream);
   }
 };
 
 }  // namespace
+
+// ---------------------------------------------------------------- the watchdog's thread
+// complete() hands it each operation's completion event (recorded on the NCCL stream); the thread
+// watches the oldest one until it is done, under the deadline counted from when the operation
+// could start (it was handed over and the one before it was done: the stream runs them in
+// order), and checks NCCL's async state meanwhile. An operation past the deadline, or an NCCL
+// error, ends the job from here: the watchdog's line, ncclCommAbort, then _Exit(14) (the launcher
+// ends the other ranks; MPI_Abort is not ours to call from this thread, MPI being
+// MPI_THREAD_FUNNELED). A CUDA error on an event (a bad kernel) is the caller's bug and shows at
+// its next CUDA call: the thread drops that operation. Pacing: sleep 1/64 of the time waited (20
+// us to 1 ms): a few microseconds of driver calls per millisecond, and the host thread that
+// issues the work never waits. Done events go back to a spare list for the next operations.
+struct NcclCommunicator::Watchdog {
+  struct Entry {
+    cudaEvent_t event;
+    std::string op, group, peers;  // what the line names
+    Clock::time_point queued;
+  };
+
+  Watchdog(ncclComm_t comm, int world_rank, int size, double timeout_s, int device)
+      : comm(comm), world_rank(world_rank), size(size), timeout_s(timeout_s), device(device) {}
+
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop = true;
+    }
+    wake.notify_all();
+    if (thread.joinable()) thread.join();
+    // An event still recorded but not done is released by CUDA once it completes.
+    for (const Entry& e : queue)
+      cudaEventDestroy(e.event);
+    for (cudaEvent_t e : spare)
+      cudaEventDestroy(e);
+  }
+
+  // An event for the next operation: a spare one, else a new one (on the calling thread).
+  cudaEvent_t take_event() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!spare.empty()) {
+        cudaEvent_t e = spare.back();
+        spare.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    DATTN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  void give_back(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    spare.push_back(e);
+  }
+
+  // Watches `event` (recorded already); starts the thread at the first operation.
+  void watch(cudaEvent_t event, const char* op, const std::string& group,
+             const std::string& peers) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      queue.push_back({event, op, group, peers, Clock::now()});
+      if (!thread.joinable()) thread = std::thread([this] { run(); });
+    }
+    wake.notify_one();
+  }
+
+  void run() {
+    cudaSetDevice(device);  // the events are this device's; a failure shows in the queries
+    Clock::time_point last_done = Clock::now();
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      wake.wait(lock, [&] { return stop || !queue.empty(); });
+      if (stop) return;
+      // Only this thread pops, and push_back keeps references to a deque's elements valid.
+      const Entry& e = queue.front();
+      const Clock::time_point start = std::max(e.queued, last_done);
+      lock.unlock();
+      for (;;) {
+        const cudaError_t q = cudaEventQuery(e.event);
+        if (q != cudaErrorNotReady) break;  // done, or a CUDA error (dropped, see above)
+        const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+        const ncclResult_t state = async_state(comm);
+        if (state != ncclSuccess && state != ncclInProgress)
+          fail(e, "NCCL reported an asynchronous error: " + nccl_error_text(state), waited);
+        if (waited > timeout_s) fail(e, kDeadlineReason, waited);
+        if (stop.load()) return;
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(std::clamp(waited / 64, 20e-6, 1e-3)));
+      }
+      last_done = Clock::now();
+      lock.lock();
+      spare.push_back(queue.front().event);
+      queue.pop_front();
+    }
+  }
+
+  [[noreturn]] void fail(const Entry& e, const std::string& reason, double waited_s) const {
+    watchdog_line(comm, world_rank, e.op, e.group, size, timeout_s, reason, waited_s, e.peers);
+    std::_Exit(kWatchdogAbortCode);
+  }
+
+  const ncclComm_t comm;
+  const int world_rank, size;
+  const double timeout_s;
+  const int device;
+  std::mutex mutex;  // guards queue, spare and thread
+  std::condition_variable wake;
+  std::deque<Entry> queue;  // handed over, not yet seen done; oldest first
+  std::vector<cudaEvent_t> spare;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+};
 
 // ---------------------------------------------------------------- creation and release
 
@@ -234,10 +361,10 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
   // ranks for a split (ncclCommSplit is collective over the parent), else this group's.
   MpiCommunicator& everyone = parent != nullptr ? *parent->control_ : *control;
 
-  // 1. Local CUDA objects. The stream is a non-blocking one, so that a kernel on the legacy default
-  // stream runs while our transfers do (a blocking stream would serialise them with every kernel);
-  // work on the legacy default stream is ordered before each NCCL call by the event `ready`
-  // (follow_default_stream).
+  // 1. Local CUDA objects. The stream is a non-blocking one, so that a kernel on the caller's
+  // stream runs while our transfers do (a blocking stream would serialise them with every kernel on
+  // the legacy default stream); work on the caller's stream is ordered before each NCCL call by the
+  // event `ready` (follow_current_stream).
   CudaSetup cuda;
   std::exception_ptr error;
   try {
@@ -248,7 +375,6 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
       DATTN_CUDA_CHECK(cudaStreamCreateWithFlags(&cuda.stream, cudaStreamNonBlocking));
       cuda.owns_stream = true;
     }
-    DATTN_CUDA_CHECK(cudaEventCreateWithFlags(&cuda.done, cudaEventDisableTiming));
     DATTN_CUDA_CHECK(cudaEventCreateWithFlags(&cuda.ready, cudaEventDisableTiming));
   } catch (const Error&) {
     error = std::current_exception();
@@ -317,34 +443,37 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(std::unique_ptr<MpiCo
   }
 
   auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
-      std::move(control), comm, cuda.stream, cuda.owns_stream, cuda.done, cuda.ready, cuda.device));
+      std::move(control), comm, cuda.stream, cuda.owns_stream, cuda.ready, cuda.device));
   cuda.owns_stream = false;  // handed on
-  cuda.done = cuda.ready = nullptr;
+  cuda.ready = nullptr;
   return out;
 }
 
 NcclCommunicator::NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm,
-                                   cudaStream_t stream, bool owns_stream, cudaEvent_t done,
-                                   cudaEvent_t ready, int device)
+                                   cudaStream_t stream, bool owns_stream, cudaEvent_t ready,
+                                   int device)
     : control_(std::move(control)),
       device_(device),
       stream_(stream),
       owns_stream_(owns_stream),
-      done_(done),
       ready_(ready),
       comm_(comm),
       rank_(control_->rank()),
       size_(control_->size()),
       timeout_s_(control_->timeout_s()),
-      world_ranks_(world_ranks_of(control_->comm())) {
+      world_ranks_(world_ranks_of(control_->comm())),
+      watchdog_(std::make_unique<Watchdog>(comm, world_ranks_[size_t(rank_)], size_, timeout_s_,
+                                           device)) {
   name_ = control_->name();
 }
 
-// Reverse order of creation: the NCCL communicator, the event, the stream, then (as the first
-// member) the control communicator. Operations still pending (posted, never waited) are dropped.
-// Finalize first, under the deadline: it flushes what NCCL still holds; should it fail or not
-// finish (a dead peer), abort instead, so that a destructor never hangs or throws.
+// The watchdog's thread first (it uses the NCCL communicator), then in reverse order of creation:
+// the NCCL communicator, the event, the stream, then (as the first member) the control
+// communicator. Operations still pending (posted, never waited) are dropped. Finalize under the
+// deadline: it flushes what NCCL still holds; should it fail or not finish (a dead peer), abort
+// instead, so that a destructor never hangs or throws.
 NcclCommunicator::~NcclCommunicator() {
+  watchdog_.reset();
   if (comm_ != nullptr) {
     const ncclResult_t rc = ncclCommFinalize(comm_);
     bool clean = rc == ncclSuccess || rc == ncclInProgress;
@@ -365,7 +494,6 @@ NcclCommunicator::~NcclCommunicator() {
       ncclCommAbort(comm_);
     comm_ = nullptr;
   }
-  if (done_ != nullptr) cudaEventDestroy(done_);
   if (ready_ != nullptr) cudaEventDestroy(ready_);
   if (owns_stream_ && stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -395,25 +523,19 @@ void NcclCommunicator::settle(const char* op) const {
     expire(op, "NCCL reported an error: " + nccl_error_text(state), waited, all_peers());
 }
 
-void NcclCommunicator::complete(const char* op, const std::string& peers) const {
-  DATTN_CUDA_CHECK(cudaEventRecord(done_, stream_));
-  double waited = 0;
-  ncclResult_t state = ncclSuccess;
-  const bool done = poll(
-      [&] {
-        const cudaError_t e = cudaEventQuery(done_);
-        if (e == cudaSuccess) return true;
-        // A CUDA error here (a bad pointer in a kernel) is the caller's bug: thrown, as any.
-        if (e != cudaErrorNotReady) DATTN_CUDA_CHECK(e);
-        // A network error or a peer that aborted shows here while our kernel still spins.
-        state = async_state(comm_);
-        return state != ncclSuccess && state != ncclInProgress;
-      },
-      timeout_s_, waited);
-  const std::string& who = peers.empty() ? all_peers() : peers;
-  if (!done) expire(op, kDeadlineReason, waited, who);
-  if (state != ncclSuccess && state != ncclInProgress)
-    expire(op, "NCCL reported an asynchronous error: " + nccl_error_text(state), waited, who);
+// One event after everything on the NCCL stream: the caller's stream waits for it on the GPU, and
+// the watchdog's thread watches it under the deadline.
+void NcclCommunicator::complete(const char* op, const std::string& peers) {
+  cudaEvent_t done = watchdog_->take_event();
+  const cudaError_t recorded = cudaEventRecord(done, stream_);
+  if (recorded != cudaSuccess) {
+    watchdog_->give_back(done);
+    DATTN_CUDA_CHECK(recorded);
+  }
+  const cudaError_t joined =
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(current_stream()), done, 0);
+  watchdog_->watch(done, op, name_, peers.empty() ? all_peers() : peers);
+  DATTN_CUDA_CHECK(joined);
 }
 
 void NcclCommunicator::check_rank(int r, const char* what) const {
@@ -452,7 +574,7 @@ RequestPtr NcclCommunicator::irecv(void* buf, size_t bytes, int peer, int tag) {
 // ncclSend/ncclRecv calls would (each blocks its stream until its peer's matching call runs).
 // The batch is issued in nccl_issue_order (collective/p2p_batch.h): by peer, then tag.
 void NcclCommunicator::flush() {
-  follow_default_stream();
+  follow_current_stream();
   if (pending_.empty()) return;
   std::vector<P2pOp> ops;
   ops.swap(pending_);
@@ -467,12 +589,12 @@ void NcclCommunicator::flush() {
   settle("point-to-point (group of pending sends and receives)");
 }
 
-// The stream waits (on the GPU, not the host) for what the legacy default stream holds now: the
-// kernels and copies that wrote the buffers about to be sent, and those still reading a buffer
-// about to be received into. Later work on the default stream is not waited for: a kernel queued
-// after start() overlaps the transfers.
-void NcclCommunicator::follow_default_stream() {
-  DATTN_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamLegacy));
+// The stream waits (on the GPU, not the host) for what the caller's stream holds now: the kernels
+// and copies that wrote the buffers about to be sent, and those still reading a buffer about to
+// be received into. Later work on the caller's stream is not waited for: a kernel queued after
+// start() overlaps the transfers.
+void NcclCommunicator::follow_current_stream() {
+  DATTN_CUDA_CHECK(cudaEventRecord(ready_, static_cast<cudaStream_t>(current_stream())));
   DATTN_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
 }
 
@@ -488,7 +610,8 @@ void NcclCommunicator::wait(RequestPtr& request) {
 }
 
 // Everything on the stream completes in order, so one event after the flushed group completes
-// every request at once: the requests only name the peers for the watchdog's line.
+// every request at once (in the caller's stream order): the requests only name the peers for the
+// watchdog's line.
 void NcclCommunicator::wait_all(std::vector<RequestPtr>& requests) {
   std::string pending;
   for (const auto& request : requests) {
@@ -514,9 +637,10 @@ void NcclCommunicator::sendrecv(const void* send_buf, size_t send_bytes, int des
 
 // ---------------------------------------------------------------- collectives
 // Each: pending point-to-point first (its own group, ahead on the stream), the NCCL call (settled:
-// a non-blocking communicator may return before it is enqueued), then completion under the
-// deadline, then the count, as MpiCommunicator counts. Zero-sized calls skip NCCL (the sizes are
-// the same on every rank, so every rank skips) but count a call, as MPI does.
+// a non-blocking communicator may return before it is enqueued), then completion (the caller's
+// stream joined, the watchdog's deadline), then the count, as MpiCommunicator counts. Zero-sized
+// calls skip NCCL (the sizes are the same on every rank, so every rank skips) but count a call, as
+// MPI does.
 
 void NcclCommunicator::allreduce(const void* send, void* recv, size_t count, DType dtype,
                                  ReduceOp op) {
@@ -691,8 +815,8 @@ void NcclCommunicator::alltoallv(const void* send, const std::vector<size_t>& se
   counters_.add("alltoall", sent);
 }
 
-// A host-side barrier over MPI: collectives and waits are complete on return already, so there is
-// no device work to order; pending (unwaited) sends and receives stay pending (see the header).
+// A host-side barrier over MPI: it orders host code only (the device work queued before it may
+// still run); pending (unwaited) sends and receives stay pending (see the header).
 void NcclCommunicator::barrier() {
   control_->set_name(name_);
   control_->barrier();

@@ -1,6 +1,7 @@
 // The NCCL backend of Communicator: device buffers, every NCCL call stream-ordered on one CUDA
-// stream, bootstrapped over MPI, with an MPI side channel for host control data, and the same
-// watchdog contract as the MPI backend (a deadline on every blocking point, then abort, exit 14).
+// stream and joined to the caller's stream by events (no host wait), bootstrapped over MPI, with
+// an MPI side channel for host control data, and the same watchdog contract as the MPI backend
+// (a deadline on every operation, then abort, exit 14), kept by a thread that watches the events.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,23 +20,31 @@ namespace dattn {
 
 // Semantics, where they differ from MpiCommunicator:
 // - Buffers of isend/irecv/sendrecv and of every collective except allreduce_u64 are DEVICE
-//   pointers on the device that was current at creation. Work queued on the legacy default stream
-//   before an operation is issued is ordered before it (an event the stream waits for: see
-//   follow_default_stream); work on other streams needs the caller's event or synchronisation.
-//   The stream itself is non-blocking, so a kernel queued after start() overlaps the transfers.
-//   Every collective is complete on return (its results are in device memory, usable from any
-//   stream), as with MPI.
+//   pointers on the device that was current at creation. Completion is in the order of the
+//   caller's stream (src/base/stream.h: current_stream(), the Runtime's), not on the host: work
+//   queued there before an operation is issued is ordered before it (an event the NCCL stream
+//   waits for: follow_current_stream), and when a collective or a wait returns, the caller's
+//   stream has been made to wait for it (another event), so a kernel or copy queued there next
+//   sees the result and may reuse the buffers. The host never waits for the device here. The
+//   NCCL stream is non-blocking, so a kernel queued after start() overlaps the transfers. Work on
+//   other streams needs the caller's events.
+// - The watchdog: each completion event is watched by a thread of the communicator under the
+//   deadline, counted from when the operation could start (it was queued and the one before it
+//   was done); an operation not done by then, or an asynchronous NCCL error, prints the
+//   watchdog's line, aborts the NCCL communicator and ends the process with exit code 14 (the
+//   launcher ends the job). The thread never calls MPI (MPI runs MPI_THREAD_FUNNELED).
 // - Point-to-point: NCCL has no tags, and a send and its matching receive must be issued inside
 //   one ncclGroupStart/End or the pair can deadlock. So isend/irecv only record the operation;
 //   the pending operations are issued together, in one group, when start() or wait/wait_all is
-//   called (any request) or a collective starts; the wait then completes on the stream under the
-//   deadline.
+//   called (any request) or a collective starts; the wait then joins the caller's stream to
+//   them, under the watchdog's deadline.
 //   Matching: between two ranks, the k-th send of a tag matches the k-th receive of that tag
 //   *within one batch* (the operations posted between two waits); across batches the order of
 //   posting decides. Strategies post each step's receives and sends, then wait: that holds. A
 //   receive's size must equal the matching send's (NCCL has no truncation or probe). barrier()
 //   does not issue pending operations (it is a host-side MPI barrier; issuing p2p there could
-//   wait for a peer that is itself in the barrier).
+//   wait for a peer that is itself in the barrier), and orders host code only: device work
+//   queued before it may still be running.
 // - allreduce_u64 (control data: validation flags and hashes, in host memory) and barrier go
 //   over a private MPI communicator, so the library's host-memory control path works unchanged
 //   on a GPU run; control data never needs a device copy.
@@ -96,40 +105,43 @@ class NcclCommunicator final : public Communicator {
  private:
   // Takes ownership of control, comm (already initialised) and, if owns_stream, stream.
   NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncclComm_t comm, cudaStream_t stream,
-                   bool owns_stream, cudaEvent_t done, cudaEvent_t ready, int device);
+                   bool owns_stream, cudaEvent_t ready, int device);
   // Builds a communicator from a control comm: CUDA setup, unique id over control, init.
   static std::unique_ptr<NcclCommunicator> create(std::unique_ptr<MpiCommunicator> control,
                                                   cudaStream_t stream,
                                                   const NcclCommunicator* parent, int color,
                                                   int key);
 
-  // Issues the pending point-to-point operations in one group, after follow_default_stream().
+  // Issues the pending point-to-point operations in one group, after follow_current_stream().
   void flush();
-  // Makes the stream wait for the work queued on the legacy default stream so far.
-  void follow_default_stream();
+  // Makes the NCCL stream wait (on the GPU) for the work queued on the caller's stream so far.
+  void follow_current_stream();
   // Waits until the communicator leaves ncclInProgress (a call on a non-blocking communicator
   // returned before NCCL finished setting it up); an error or the deadline ends the job.
   void settle(const char* op) const;
-  // Waits for everything enqueued on the stream so far (an event, polled with the async error).
-  void complete(const char* op, const std::string& peers = "") const;
+  // Makes the caller's stream wait (on the GPU) for everything enqueued on the NCCL stream so far,
+  // and hands the completion to the watchdog: `op` and `peers` are what its line names.
+  void complete(const char* op, const std::string& peers = "");
   // The watchdog's line on stderr, then ncclCommAbort and MPI_Abort(14).
   [[noreturn]] void expire(const std::string& what, const std::string& reason, double waited_s,
                            const std::string& peers) const;
   std::string all_peers() const;  // "peers: world ranks a, b, ..." of this group
   void check_rank(int r, const char* what) const;
 
+  struct Watchdog;  // the thread that watches the completion events (nccl_communicator.cpp)
+
   std::unique_ptr<MpiCommunicator> control_;  // declared first: released last
   int device_ = -1;
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
-  cudaEvent_t done_ = nullptr;   // recorded at each blocking point
-  cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream at each issue
+  cudaEvent_t ready_ = nullptr;  // recorded on the caller's stream at each issue
   ncclComm_t comm_ = nullptr;
   int rank_ = 0;
   int size_ = 1;
   double timeout_s_ = kDefaultTimeoutS;
-  std::vector<int> world_ranks_;  // rank in this group -> rank in MPI_COMM_WORLD
-  std::vector<P2pOp> pending_;    // posted, not yet issued
+  std::vector<int> world_ranks_;        // rank in this group -> rank in MPI_COMM_WORLD
+  std::vector<P2pOp> pending_;          // posted, not yet issued
+  std::unique_ptr<Watchdog> watchdog_;  // started at the first completion; stopped first
 };
 
 }  // namespace dattn

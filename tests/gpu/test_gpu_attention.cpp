@@ -22,6 +22,7 @@
 #include "src/models.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
+#include "tests/gpu/stream_stats.h"
 #include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
 #if DATTN_CUDA_EMULATION
@@ -445,18 +446,10 @@ TEST_F(GpuAttention, RunsOnTheCallersStream) {
 
   for (Strategy strategy : {Strategy::ring, Strategy::ulysses}) {
     SCOPED_TRACE(strategy_name(strategy));
-#if DATTN_CUDA_EMULATION
-    emu::reset_stream_stats();
-#endif
+    test::reset_stream_work();
     const Partial fwd = attention(s, qd, kd, vd, spec, layout, strategy);
     const Gradients grads = attention_backward(s, qd, kd, vd, fwd, doutd, spec, layout, strategy);
-#if DATTN_CUDA_EMULATION
-    const emu::StreamStats stats = emu::stream_stats();
-    EXPECT_GT(stats.ops_on(stream), 0);
-    EXPECT_EQ(stats.ops_on(nullptr), 0) << "device operations on the legacy default stream";
-    EXPECT_EQ(stats.device_waits, 0) << "synchronous CUDA calls (the host waited for the device)";
-    EXPECT_EQ(stats.waits_on(stream), 0) << "host waits for the Runtime's stream";
-#endif
+    EXPECT_TRUE(test::only_on_stream(stream));
     DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
     const Partial want = attention(g, qd, kd, vd, spec, layout, strategy);
     const Gradients want_grads =

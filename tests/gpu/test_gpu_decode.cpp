@@ -21,11 +21,9 @@
 #include "src/decode.h"
 #include "tests/gpu/one_gpu_per_rank.h"
 #include "tests/gpu/partials.h"
+#include "tests/gpu/stream_stats.h"
 #include "tests/gpu/suite_runtimes.h"
 #include "tests/test_reference.h"
-#if DATTN_CUDA_EMULATION
-#include "tests/emu/fake_runtime.h"
-#endif
 
 namespace dattn {
 namespace {
@@ -324,9 +322,7 @@ TEST_F(GpuDecode, RunsOnTheCallersStream) {
   append_next(want_cache, ctx, s_q);
   DATTN_CUDA_CHECK(cudaDeviceSynchronize());  // q and the reference cache: on the legacy stream
   {
-#if DATTN_CUDA_EMULATION
-    emu::reset_stream_stats();
-#endif
+    test::reset_stream_work();
     StreamScope scope(s.stream());
     KvCache cache = prefilled_cache(spec, ctx, layout, total, dev, Device::cpu());
     append_next(cache, ctx, s_q);
@@ -334,13 +330,7 @@ TEST_F(GpuDecode, RunsOnTheCallersStream) {
     for (DecodeStrategy st :
          {DecodeStrategy::tree, DecodeStrategy::ring, DecodeStrategy::allgather})
       got.push_back(decode(s, q, cache, st));
-#if DATTN_CUDA_EMULATION
-    const emu::StreamStats stats = emu::stream_stats();
-    EXPECT_GT(stats.ops_on(stream), 0);
-    EXPECT_EQ(stats.ops_on(nullptr), 0) << "device operations on the legacy default stream";
-    EXPECT_EQ(stats.device_waits, 0) << "synchronous CUDA calls (the host waited for the device)";
-    EXPECT_EQ(stats.waits_on(stream), 0) << "host waits for the Runtime's stream";
-#endif
+    EXPECT_TRUE(test::only_on_stream(stream));
     DATTN_CUDA_CHECK(cudaStreamSynchronize(stream));
     size_t i = 0;
     for (DecodeStrategy st :

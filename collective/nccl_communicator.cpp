@@ -16,6 +16,7 @@
 #include <numeric>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "collective/nccl_check.h"
 #include "src/base/cuda_check.h"
@@ -242,12 +243,18 @@ struct CudaSetup {
 struct NcclCommunicator::Watchdog {
   struct Entry {
     cudaEvent_t event;
-    std::string op, group, peers;  // what the line names
+    std::string op, group, peers;  // what the line names (no peers: all of the group)
     Clock::time_point queued;
   };
 
-  Watchdog(ncclComm_t comm, int world_rank, int size, double timeout_s, int device)
-      : comm(comm), world_rank(world_rank), size(size), timeout_s(timeout_s), device(device) {}
+  Watchdog(ncclComm_t comm, int world_rank, int size, double timeout_s, int device,
+           std::string all_peers)
+      : comm(comm),
+        world_rank(world_rank),
+        size(size),
+        timeout_s(timeout_s),
+        device(device),
+        all_peers(std::move(all_peers)) {}
 
   ~Watchdog() {
     {
@@ -325,7 +332,8 @@ struct NcclCommunicator::Watchdog {
   }
 
   [[noreturn]] void fail(const Entry& e, const std::string& reason, double waited_s) const {
-    watchdog_line(comm, world_rank, e.op, e.group, size, timeout_s, reason, waited_s, e.peers);
+    watchdog_line(comm, world_rank, e.op, e.group, size, timeout_s, reason, waited_s,
+                  e.peers.empty() ? all_peers : e.peers);
     std::_Exit(kWatchdogAbortCode);
   }
 
@@ -333,7 +341,8 @@ struct NcclCommunicator::Watchdog {
   const int world_rank, size;
   const double timeout_s;
   const int device;
-  std::mutex mutex;  // guards queue, spare and thread
+  const std::string all_peers;  // "peers: world ranks ..." of the group
+  std::mutex mutex;             // guards queue, spare and thread
   std::condition_variable wake;
   std::deque<Entry> queue;  // handed over, not yet seen done; oldest first
   std::vector<cudaEvent_t> spare;
@@ -463,7 +472,7 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<MpiCommunicator> control, ncc
       timeout_s_(control_->timeout_s()),
       world_ranks_(world_ranks_of(control_->comm())),
       watchdog_(std::make_unique<Watchdog>(comm, world_ranks_[size_t(rank_)], size_, timeout_s_,
-                                           device)) {
+                                           device, peers_text(world_ranks_))) {
   name_ = control_->name();
 }
 
@@ -534,7 +543,7 @@ void NcclCommunicator::complete(const char* op, const std::string& peers) {
   }
   const cudaError_t joined =
       cudaStreamWaitEvent(static_cast<cudaStream_t>(current_stream()), done, 0);
-  watchdog_->watch(done, op, name_, peers.empty() ? all_peers() : peers);
+  watchdog_->watch(done, op, name_, peers);
   DATTN_CUDA_CHECK(joined);
 }
 

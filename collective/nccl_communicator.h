@@ -120,7 +120,8 @@ class NcclCommunicator final : public Communicator {
   // returned before NCCL finished setting it up); an error or the deadline ends the job.
   void settle(const char* op) const;
   // Makes the caller's stream wait (on the GPU) for everything enqueued on the NCCL stream so far,
-  // and hands the completion to the watchdog: `op` and `peers` are what its line names.
+  // and hands the completion to the watchdog: `op` and `peers` (empty: the whole group) are what
+  // its line names.
   void complete(const char* op, const std::string& peers = "");
   // The watchdog's line on stderr, then ncclCommAbort and MPI_Abort(14).
   [[noreturn]] void expire(const std::string& what, const std::string& reason, double waited_s,

@@ -92,6 +92,34 @@ void check_device(Device device) {
 #endif
 }
 
+Device pointer_device(const void* p) {
+#if DATTN_WITH_CUDA
+  if (p == nullptr) return Device::cpu();
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // no usable CUDA here: no device memory either
+    return Device::cpu();
+  }
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged)
+    return Device::cuda(a.device);
+#else
+  (void)p;
+#endif
+  return Device::cpu();
+}
+
+Device current_cuda_device() {
+#if DATTN_WITH_CUDA
+  int index = 0;
+  check_device(Device::cuda(0));  // names why CUDA cannot be used here
+  DATTN_CUDA_CHECK(cudaGetDevice(&index));
+  return Device::cuda(index);
+#else
+  check_device(Device::cuda(0));  // throws: no CUDA backend
+  return Device::cpu();
+#endif
+}
+
 Tensor Tensor::allocate(int ndim, const std::array<int64_t, kMaxDims>& shape, DType dtype,
                         Device device) {
   Tensor t;

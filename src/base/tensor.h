@@ -29,6 +29,17 @@ struct Device {
 // always; cuda(i) in a CUDA build whose machine has a GPU i (the message gives CUDA's reason).
 void check_device(Device device);
 
+// The device whose memory holds p: cuda(i) for memory of GPU i (device or managed memory, as
+// cudaPointerGetAttributes reports it), cpu for any other pointer (host memory, pinned or not;
+// null) and for every pointer in a build without CUDA or on a machine CUDA cannot use. How the
+// Python binding checks that an array handed over as device memory (__cuda_array_interface__)
+// is that.
+Device pointer_device(const void* p);
+
+// This thread's current CUDA device (cudaGetDevice: the one a GPU Runtime made current, or 0);
+// dattn::Error in a build without CUDA or where CUDA sees no device.
+Device current_cuda_device();
+
 class Tensor {
  public:
   static constexpr int kMaxDims = 4;

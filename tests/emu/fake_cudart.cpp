@@ -363,6 +363,22 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   }
   return cudaSuccess;
 }
+// Device memory for the registry's allocations, else unregistered host memory (CUDA 11's
+// answer for a pointer it does not know, with cudaSuccess).
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr) {
+  std::lock_guard lock(state().mutex);
+  *attributes = cudaPointerAttributes{};
+  attributes->type = cudaMemoryTypeUnregistered;
+  attributes->device = -1;
+  if (const Allocation* a = find(ptr, 1)) {
+    attributes->type = cudaMemoryTypeDevice;
+    attributes->device = a->device;
+    attributes->devicePointer = const_cast<void*>(ptr);
+  } else {
+    attributes->hostPointer = const_cast<void*>(ptr);
+  }
+  return cudaSuccess;
+}
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = kDevices;
   return cudaSuccess;

@@ -2,8 +2,9 @@
 // tear-down, Runtimes (the module's default one over MPI_COMM_WORLD, and those made over any
 // communicator), attention forward/backward (distributed and single-process), the sharded KV
 // cache and decode, star attention, MLA/TPLA decode, layout positions and a few MPI helpers, on
-// arrays that cross by the buffer protocol. The package's __init__.py turns numpy arrays and torch
-// tensors into those and back and adds autograd.
+// arrays that cross by the buffer protocol (host memory) or by __cuda_array_interface__ (GPU
+// memory, DeviceArray). The package's __init__.py turns numpy arrays and torch tensors (CPU and
+// CUDA) into those and back and adds autograd.
 #include <mpi.h>
 #include <omp.h>
 #include <pybind11/pybind11.h>
@@ -23,10 +24,16 @@
 #include "collective/mpi_communicator.h"
 #include "src/attention.h"
 #include "src/base/error.h"
+#include "src/base/stream.h"
 #include "src/decode.h"
 #include "src/mla.h"
 #include "src/star.h"
 #include "src/validate.h"
+#if DATTN_CUDA_EMULATION
+#include <cuda_runtime_api.h>
+
+#include "tests/emu/fake_runtime.h"
+#endif
 
 namespace py = pybind11;
 using dattn::detail::cat;
@@ -229,16 +236,51 @@ MPI_Comm communicator(const py::object& comm_address) {
   return comm;
 }
 
+// This rank's index among the ranks of comm on its node: its GPU under device "cuda" (one GPU per
+// rank, as mpirun and srun place them). Collective over comm.
+int node_local_rank(MPI_Comm comm) {
+  MPI_Comm node;
+  DATTN_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int r = 0;
+  MPI_Comm_rank(node, &r);
+  MPI_Comm_free(&node);
+  return r;
+}
+
+// device= of dattn.Runtime, as the package normalises it: "cpu", "cuda" (GPU node_local_rank) or
+// "cuda:N".
+dattn::Device parse_device(const std::string& name, int local_rank) {
+  if (name == "cpu") return dattn::Device::cpu();
+  if (name == "cuda") return dattn::Device::cuda(local_rank);
+  if (name.rfind("cuda:", 0) == 0 && name.size() > 5 && name.size() < 10 &&
+      name.find_first_not_of("0123456789", 5) == std::string::npos)
+    return dattn::Device::cuda(std::stoi(name.substr(5)));
+  DATTN_THROW("invalid device = '", name,
+              "': expected 'cpu', 'cuda' (the GPU of this rank's index on its node) or 'cuda:N'");
+}
+
+// A CUDA stream given from Python (an integer handle, as torch.cuda.Stream.cuda_stream and
+// __cuda_array_interface__'s "stream" carry it): 0 and 1 are the legacy default stream (torch's
+// default stream is 0, the interface's is 1), 2 the per-thread default stream, anything else a
+// cudaStream_t.
+dattn::StreamHandle stream_handle(const py::handle& stream, const char* name) {
+  const int64_t v = int_value(stream, name);
+  DATTN_CHECK_ARG(v >= 0, name, v, "a CUDA stream handle (an integer >= 0) or None");
+  return v <= 1 ? nullptr : reinterpret_cast<dattn::StreamHandle>(uintptr_t(v));
+}
+
 // A Runtime over `comm` with the options of dattn.Runtime. Collective over comm. The options are
 // converted inside an agreement over comm (one more small allreduce on a duplicate), then
 // Runtime::from_mpi checks their values (tp dividing the ranks, ulysses dividing cp, threads
-// >= 0, timeout_s >= 0), on every rank, naming the option.
+// >= 0, timeout_s >= 0, the device there), on every rank, naming the option.
 std::shared_ptr<RuntimeHandle> make_runtime(const py::object& comm_address, const py::object& tp,
                                             const py::object& ulysses, const py::object& threads,
                                             const py::object& check_finite,
-                                            const py::object& timeout_s) {
+                                            const py::object& timeout_s, const py::object& device,
+                                            const py::object& stream) {
   require_mpi();
   const MPI_Comm comm = communicator(comm_address);
+  const int local_rank = node_local_rank(comm);  // on every rank, whatever its device says
   dattn::RuntimeOptions o;
   {
     dattn::MpiCommunicator group(comm);
@@ -250,6 +292,8 @@ std::shared_ptr<RuntimeHandle> make_runtime(const py::object& comm_address, cons
       o.timeout_s = timeout_s.is_none() ? 0.0 : float_option(timeout_s, "timeout_s");
       DATTN_CHECK_ARG(timeout_s.is_none() || o.timeout_s > 0, "timeout_s", repr_of(timeout_s),
                       "> 0 seconds (or None: DATTN_TIMEOUT, else 300)");
+      o.device = parse_device(device.cast<std::string>(), local_rank);
+      if (!stream.is_none()) o.stream = stream_handle(stream, "stream");
     });
   }
   return new_handle(dattn::Runtime::from_mpi(comm, o));
@@ -279,18 +323,24 @@ struct Buffer {
   std::vector<py::ssize_t> shape;
 };
 
-Buffer to_buffer(dattn::Tensor t) {
-  if (t.dtype() != dattn::DType::f32)
-    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
+// A host tensor of any dtype: float32 "f", float16 "e", bfloat16 as its patterns, uint16 "H".
+Buffer host_buffer(dattn::Tensor t) {
   Buffer b;
   for (int d = 0; d < t.dim(); ++d)
     b.shape.push_back(t.size(d));
+  b.format = t.dtype() == dattn::DType::f32 ? "f" : t.dtype() == dattn::DType::f16 ? "e" : "H";
+  b.itemsize = py::ssize_t(dattn::dtype_size(t.dtype()));
   auto owner = std::make_shared<dattn::Tensor>(std::move(t));
   b.data = owner->data();
   b.owner = std::move(owner);
-  b.format = py::format_descriptor<float>::format();
-  b.itemsize = sizeof(float);
   return b;
+}
+
+// A result in host memory (results are fp32).
+Buffer to_buffer(dattn::Tensor t) {
+  if (t.dtype() != dattn::DType::f32)
+    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
+  return host_buffer(std::move(t));
 }
 
 Buffer to_buffer(std::vector<int64_t> v) {
@@ -302,6 +352,60 @@ Buffer to_buffer(std::vector<int64_t> v) {
   b.format = py::format_descriptor<int64_t>::format();
   b.itemsize = sizeof(int64_t);
   return b;
+}
+
+// A tensor in GPU memory (a result of a GPU Runtime's call, or dattn.to_device's copy) seen through
+// __cuda_array_interface__ (version 3): torch.as_tensor(a, device="cuda"), CuPy or Numba view it
+// without a copy and keep this object, and so the tensor, alive. `stream` is the stream the
+// data was written on and is freed on (null: the legacy default stream); a consumer on another
+// stream waits for it first, and makes it wait before it drops its last reference.
+struct DeviceArray {
+  std::shared_ptr<const dattn::Tensor> tensor;
+  dattn::StreamHandle stream = nullptr;
+};
+
+// The interface's typestr of each dtype; bfloat16 (which it has no code for) as its 16-bit
+// patterns, '<u2', as the package passes torch's bfloat16 tensors in.
+const char* typestr(dattn::DType d) {
+  return d == dattn::DType::f32 ? "<f4" : d == dattn::DType::f16 ? "<f2" : "<u2";
+}
+
+py::tuple shape_of(const dattn::Tensor& t) {
+  py::tuple shape(size_t(t.dim()));
+  for (int d = 0; d < t.dim(); ++d)
+    shape[size_t(d)] = t.size(d);
+  return shape;
+}
+
+py::dict cuda_array_interface(const DeviceArray& a) {
+  py::dict d;
+  d["shape"] = shape_of(*a.tensor);
+  d["typestr"] = typestr(a.tensor->dtype());
+  d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(a.tensor->data()), false);
+  d["strides"] = py::none();  // C order
+  d["version"] = 3;
+  d["stream"] = a.stream == nullptr ? uintptr_t(1) : reinterpret_cast<uintptr_t>(a.stream);
+  return d;
+}
+
+// A call's result as Python sees it: a Buffer in host memory, a DeviceArray in GPU memory
+// (`stream`: the call's).
+py::object result(dattn::Tensor t, dattn::StreamHandle stream) {
+  if (t.device().is_cpu()) return py::cast(to_buffer(std::move(t)));
+  if (t.dtype() != dattn::DType::f32)
+    DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: a result is not fp32");
+  return py::cast(DeviceArray{std::make_shared<const dattn::Tensor>(std::move(t)), stream});
+}
+
+// A host copy of a device array, ordered after the work of its stream (the copy waits for it).
+Buffer to_host(const DeviceArray& a) {
+  dattn::StreamScope on_stream(a.stream);
+  dattn::Tensor host;
+  {
+    py::gil_scoped_release release;
+    host = a.tensor->to_device(dattn::Device::cpu());
+  }
+  return host_buffer(std::move(host));
 }
 
 py::buffer_info buffer_info(Buffer& b) {
@@ -333,42 +437,100 @@ bool c_contiguous(const py::buffer_info& a) {
   return true;
 }
 
-// (buffer, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
-// 16-bit patterns in a uint16/int16 buffer, as numpy has no bfloat16); anything else is the
-// package's description of what it could not take ("dtype float64: expected ..."). A view, no
-// copy: the package holds the object for the duration of the call. `dims` describes the ndim
-// dimensions for the message ("[batch, seq, heads, head_dim]").
-dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim, const char* dims) {
+// Whether an interface's strides (bytes; None: C order) are C order's (dimensions of size 1 do
+// not matter).
+bool c_contiguous(const std::vector<int64_t>& shape, const py::object& strides, int64_t itemsize) {
+  if (strides.is_none()) return true;
+  const auto st = strides.cast<std::vector<int64_t>>();
+  if (st.size() != shape.size()) return false;
+  int64_t stride = itemsize;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] > 1 && st[i] != stride) return false;
+    stride *= shape[i];
+  }
+  return true;
+}
+
+// The dattn dtype of the package's dtype name for an array whose elements are `code` of
+// `itemsize` bytes ('f' 4: fp32, 'e' or 'f' 2: fp16, 'h'/'H' or 'i'/'u' 2: bf16's patterns), or
+// the error naming what it is.
+dattn::DType element_dtype(const std::string& dtype, char code, int64_t itemsize, const char* name,
+                           const std::string& format) {
+  if (dtype == "fp32" && code == 'f' && itemsize == 4) return dattn::DType::f32;
+  if (dtype == "fp16" && (code == 'e' || code == 'f') && itemsize == 2) return dattn::DType::f16;
+  if (dtype == "bf16" && (code == 'h' || code == 'H' || code == 'i' || code == 'u') &&
+      itemsize == 2)
+    return dattn::DType::bf16;
+  DATTN_THROW("invalid ", name, " element format = '", format, "' (", dtype,
+              "): expected float32, float16 or bfloat16");
+}
+
+dattn::Tensor wrap(void* data, const std::vector<int64_t>& n, dattn::DType d, dattn::Device dev) {
+  if (n.size() == 1) return dattn::Tensor::wrap(data, {n[0]}, d, dev);
+  if (n.size() == 2) return dattn::Tensor::wrap(data, {n[0], n[1]}, d, dev);
+  if (n.size() == 3) return dattn::Tensor::wrap(data, {n[0], n[1], n[2]}, d, dev);
+  return dattn::Tensor::wrap(data, {n[0], n[1], n[2], n[3]}, d, dev);
+}
+
+// (array, dtype name) from the package: "fp32" (float32), "fp16" (float16) or "bf16" (the
+// 16-bit patterns in a uint16/int16 array, as numpy has no bfloat16); anything else is the
+// package's description of what it could not take ("dtype float64: expected ..."). The array is
+// host memory through the buffer protocol, or GPU memory through __cuda_array_interface__
+// (version >= 2, no mask: a torch CUDA tensor's view from the package, a dattn.DeviceArray,
+// CuPy), whose pointer must be memory of a GPU (pointer_device; `empty_device` for an empty
+// array's null one). A view, no copy: the package holds the object for the duration of the
+// call. `dims` describes the ndim dimensions for the message ("[batch, seq, heads, head_dim]");
+// ndim -1: any of 1 to 4.
+dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim, const char* dims,
+                        dattn::Device empty_device = dattn::Device::cpu()) {
   if (t.size() != 2)
     DATTN_THROW_KIND(dattn::ErrorKind::internal, "internal error: ", name,
                      " is not an (array, dtype) pair");
   const std::string dtype = t[1].cast<std::string>();
   if (dtype != "fp32" && dtype != "fp16" && dtype != "bf16")  // what the package could not take
     DATTN_THROW("invalid ", name, ": ", dtype);
-  const py::buffer_info a = t[0].cast<py::buffer>().request();
-  const char code = format_code(a.format);
+  std::vector<int64_t> shape;
+  void* data = nullptr;
   dattn::DType d;
-  if (dtype == "fp32" && code == 'f' && a.itemsize == 4) {
-    d = dattn::DType::f32;
-  } else if (dtype == "fp16" && code == 'e' && a.itemsize == 2) {
-    d = dattn::DType::f16;
-  } else if (dtype == "bf16" && (code == 'h' || code == 'H') && a.itemsize == 2) {
-    d = dattn::DType::bf16;
+  dattn::Device device;
+  bool dense = true;
+  const py::object cai = py::getattr(t[0], "__cuda_array_interface__", py::none());
+  if (!cai.is_none()) {
+    const py::dict i = cai.cast<py::dict>();
+    const std::string ts = i["typestr"].cast<std::string>();
+    DATTN_CHECK_ARG(ts.size() == 3 && (ts[0] == '<' || ts[0] == '|'),
+                    cat(name, " __cuda_array_interface__ typestr"), ts,
+                    "'<f4', '<f2' or '<u2' (bfloat16's patterns)");
+    d = element_dtype(dtype, ts[1], ts[2] - '0', name, ts);
+    DATTN_CHECK_ARG(!i.contains("mask") || i["mask"].is_none(), cat(name, " mask"),
+                    repr_of(i["mask"]), "None (dattn takes no masked arrays)");
+    shape = i["shape"].cast<std::vector<int64_t>>();
+    data = reinterpret_cast<void*>(i["data"].cast<py::tuple>()[0].cast<uintptr_t>());
+    dense = c_contiguous(shape, i.contains("strides") ? py::object(i["strides"]) : py::none(),
+                         int64_t(dattn::dtype_size(d)));
+    device = data == nullptr ? empty_device : dattn::pointer_device(data);
+    DATTN_CHECK_ARG(!device.is_cpu(), cat(name, " data"), repr_of(i["data"]),
+                    "GPU memory (its __cuda_array_interface__ names memory no CUDA device holds)");
   } else {
-    DATTN_THROW("invalid ", name, " element format = '", a.format, "' (", dtype,
-                "): expected float32, float16 or bfloat16");
+    const py::buffer_info a = t[0].cast<py::buffer>().request();
+    d = element_dtype(dtype, format_code(a.format), a.itemsize, name, a.format);
+    shape.assign(a.shape.begin(), a.shape.end());
+    data = a.ptr;
+    dense = c_contiguous(a);
   }
-  DATTN_CHECK_ARG(a.ndim == ndim, cat(name, " ndim"), a.ndim, cat(ndim, " dimensions ", dims));
-  DATTN_CHECK_ARG(c_contiguous(a), cat(name, " layout"), "not C-contiguous",
+  const int n = int(shape.size());
+  if (ndim < 0)
+    DATTN_CHECK_ARG(n >= 1 && n <= 4, cat(name, " ndim"), n, "1 to 4 dimensions");
+  else
+    DATTN_CHECK_ARG(n == ndim, cat(name, " ndim"), n, cat(ndim, " dimensions ", dims));
+  DATTN_CHECK_ARG(dense, cat(name, " layout"), "not C-contiguous",
                   "a C-contiguous array (np.ascontiguousarray(x) or x.contiguous())");
-  const auto& n = a.shape;
-  if (ndim == 2) return dattn::Tensor::wrap(a.ptr, {n[0], n[1]}, d);
-  if (ndim == 3) return dattn::Tensor::wrap(a.ptr, {n[0], n[1], n[2]}, d);
-  return dattn::Tensor::wrap(a.ptr, {n[0], n[1], n[2], n[3]}, d);
+  return wrap(data, shape, d, device);
 }
 
-dattn::Tensor as_bshd(const py::tuple& t, const char* name) {
-  return as_tensor(t, name, 4, "[batch, seq, heads, head_dim]");
+dattn::Tensor as_bshd(const py::tuple& t, const char* name,
+                      dattn::Device empty_device = dattn::Device::cpu()) {
+  return as_tensor(t, name, 4, "[batch, seq, heads, head_dim]", empty_device);
 }
 
 // Dimension d of an (array, dtype) pair's array without raising (-1 where there is none): what
@@ -478,11 +640,12 @@ dattn::AttnSpec make_spec(const Options& o, int64_t heads_q, int64_t heads_kv, i
 }
 
 // dq, dk, dv, and dsinks after them when the spec has sinks.
-py::tuple gradients_result(dattn::Gradients g) {
-  py::tuple t = py::make_tuple(to_buffer(std::move(g.dq)), to_buffer(std::move(g.dk)),
-                               to_buffer(std::move(g.dv)));
+// On a GPU: device arrays written on `stream`; dsinks is host memory (src/partial.h).
+py::tuple gradients_result(dattn::Gradients g, dattn::StreamHandle stream) {
+  py::tuple t = py::make_tuple(result(std::move(g.dq), stream), result(std::move(g.dk), stream),
+                               result(std::move(g.dv), stream));
   if (!g.dsinks.defined()) return t;
-  return py::make_tuple(t[0], t[1], t[2], to_buffer(std::move(g.dsinks)));
+  return py::make_tuple(t[0], t[1], t[2], result(std::move(g.dsinks), stream));
 }
 
 dattn::AttnSpec make_spec(const Options& o, const dattn::Tensor& q, const dattn::Tensor& k,
@@ -562,9 +725,9 @@ Distributed distributed(const Options& o, const py::object& runtime, const py::t
   for (int64_t c : o.cu_seqlens)
     h = dattn::hash_mix(h, uint64_t(c));
   dattn::agree_on_validation(rt->cp(), "dattn.attention arguments", h, [&] {
-    d.q = as_bshd(q, "q");
-    d.k = as_bshd(k, "k");
-    d.v = as_bshd(v, "v");
+    d.q = as_bshd(q, "q", rt->device());
+    d.k = as_bshd(k, "k", rt->device());
+    d.v = as_bshd(v, "v", rt->device());
     d.strategy =
         dattn::parse_strategy(o.strategy);  // prefill schedules only: ring, ulysses, hybrid
     if (d.strategy == dattn::Strategy::hybrid && given)
@@ -583,68 +746,104 @@ Distributed distributed(const Options& o, const py::object& runtime, const py::t
   return d;
 }
 
-py::tuple partial_result(dattn::Partial r) {
-  return py::make_tuple(to_buffer(std::move(r.out)), to_buffer(std::move(r.lse)));
+py::tuple partial_result(dattn::Partial r, dattn::StreamHandle stream) {
+  return py::make_tuple(result(std::move(r.out), stream), result(std::move(r.lse), stream));
+}
+
+// The stream of one call on a GPU Runtime: `stream` (the package passes the current stream of
+// the torch CUDA tensors, or the "stream" of the arrays' __cuda_array_interface__) instead of
+// the Runtime's own for this call; None: the Runtime's. Restored when the call ends. A CPU
+// Runtime has no stream (its call then rejects the device arrays, naming them).
+class CallStream {
+ public:
+  CallStream(dattn::Runtime& rt, const py::object& stream) : rt_(rt), previous_(rt.stream()) {
+    if (!stream.is_none() && !rt.device().is_cpu()) rt.set_stream(stream_handle(stream, "stream"));
+  }
+  ~CallStream() { rt_.set_stream(previous_); }
+  CallStream(const CallStream&) = delete;
+  CallStream& operator=(const CallStream&) = delete;
+  dattn::StreamHandle stream() const { return rt_.stream(); }
+
+ private:
+  dattn::Runtime& rt_;
+  dattn::StreamHandle previous_;
+};
+
+// The stream of a local call (no Runtime): `stream`, else the current one (the legacy default).
+dattn::StreamHandle local_stream(const py::object& stream) {
+  return stream.is_none() ? dattn::current_stream() : stream_handle(stream, "stream");
 }
 
 // ---------------------------------------------------------------- attention
 
 py::tuple attention_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
-                            const py::dict& options, const py::object& runtime) {
+                            const py::dict& options, const py::object& runtime,
+                            const py::object& stream) {
   const Distributed d = distributed(options_from(options), runtime, q, k, v, [] {});
+  const CallStream on(*d.rt, stream);
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::attention(*d.rt, d.q, d.k, d.v, d.spec, d.layout, d.strategy);
   }
-  return partial_result(std::move(r));
+  return partial_result(std::move(r), on.stream());
 }
 
 py::tuple attention_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                              const py::tuple& out, const py::tuple& lse, const py::tuple& dout,
-                             const py::dict& options, const py::object& runtime) {
+                             const py::dict& options, const py::object& runtime,
+                             const py::object& stream) {
   dattn::Partial fwd;
   dattn::Tensor tdout;
+  const dattn::Device dev = get(*handle_of(runtime)).device();
   const Distributed d = distributed(options_from(options), runtime, q, k, v, [&] {
-    fwd.out = as_bshd(out, "out");
-    fwd.lse = as_tensor(lse, "lse", 3, "[batch, heads, seq]");
-    tdout = as_bshd(dout, "dout");
+    fwd.out = as_bshd(out, "out", dev);
+    fwd.lse = as_tensor(lse, "lse", 3, "[batch, heads, seq]", dev);
+    tdout = as_bshd(dout, "dout", dev);
   });
+  const CallStream on(*d.rt, stream);
   dattn::Gradients g;
   {
     py::gil_scoped_release release;
     g = dattn::attention_backward(*d.rt, d.q, d.k, d.v, fwd, tdout, d.spec, d.layout, d.strategy);
   }
-  return gradients_result(std::move(g));
+  return gradients_result(std::move(g), on.stream());
 }
 
 py::tuple attention_local_forward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
-                                  const py::dict& options) {
+                                  const py::dict& options, const py::object& stream) {
   const Options o = options_from(options);
-  dattn::Tensor tq = as_bshd(q, "q"), tk = as_bshd(k, "k"), tv = as_bshd(v, "v");
+  const dattn::Tensor tq = as_bshd(q, "q");
+  const dattn::Tensor tk = as_bshd(k, "k", tq.device()), tv = as_bshd(v, "v", tq.device());
   const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
+  const dattn::StreamScope on(local_stream(stream));
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::attention_local(tq, tk, tv, spec);
   }
-  return partial_result(std::move(r));
+  return partial_result(std::move(r), dattn::current_stream());
 }
 
 py::tuple attention_local_backward(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                                    const py::tuple& out, const py::tuple& lse,
-                                   const py::tuple& dout, const py::dict& options) {
+                                   const py::tuple& dout, const py::dict& options,
+                                   const py::object& stream) {
   const Options o = options_from(options);
-  dattn::Tensor tq = as_bshd(q, "q"), tk = as_bshd(k, "k"), tv = as_bshd(v, "v");
-  dattn::Partial fwd{as_bshd(out, "out"), as_tensor(lse, "lse", 3, "[batch, heads, seq]")};
-  dattn::Tensor tdout = as_bshd(dout, "dout");
+  const dattn::Tensor tq = as_bshd(q, "q");
+  const dattn::Device dev = tq.device();
+  const dattn::Tensor tk = as_bshd(k, "k", dev), tv = as_bshd(v, "v", dev);
+  const dattn::Partial fwd{as_bshd(out, "out", dev),
+                           as_tensor(lse, "lse", 3, "[batch, heads, seq]", dev)};
+  const dattn::Tensor tdout = as_bshd(dout, "dout", dev);
   const dattn::AttnSpec spec = make_spec(o, tq, tk, tv);
+  const dattn::StreamScope on(local_stream(stream));
   dattn::Gradients g;
   {
     py::gil_scoped_release release;
     g = dattn::attention_local_backward(tq, tk, tv, fwd, tdout, spec);
   }
-  return gradients_result(std::move(g));
+  return gradients_result(std::move(g), dattn::current_stream());
 }
 
 // The C++ side of the binding-overhead benchmark (examples/python/binding_overhead.py): seconds per
@@ -763,8 +962,8 @@ void check_cache_rows(const dattn::Tensor& k, const dattn::Tensor& v, const datt
 
 // KvCache.prefill: this rank's shard of the prompt under a layout of the ranks' summed lengths.
 // Collective: two agreed validations and one allreduce, then the copy into the cache.
-void cache_prefill(CacheHandle& c, const py::tuple& k, const py::tuple& v,
-                   const py::dict& options) {
+void cache_prefill(CacheHandle& c, const py::tuple& k, const py::tuple& v, const py::dict& options,
+                   const py::object& stream) {
   dattn::Runtime& rt = use(*c.runtime);
   dattn::KvCache& cache = c.get();
   const Options o = options_from(options);
@@ -788,6 +987,8 @@ void cache_prefill(CacheHandle& c, const py::tuple& k, const py::tuple& v,
     DATTN_CHECK_ARG(n <= cache.capacity(), "capacity", cache.capacity(),
                     cat(">= ", n, " tokens (this rank's share of the prompt)"));
   });
+  const CallStream on(rt, stream);
+  const dattn::StreamScope scope(on.stream());  // KvCache copies on the current stream
   py::gil_scoped_release release;
   cache.prefill(tk, tv, layout);
 }
@@ -795,7 +996,8 @@ void cache_prefill(CacheHandle& c, const py::tuple& k, const py::tuple& v,
 // KvCache.append: n new tokens, the same on every rank. Collective: the arguments and n are
 // agreed first, so that the caches stay alike on every rank; the capacity check (every rank
 // knows every rank's share) then fails on every rank alike, before any rank stores a token.
-void cache_append(CacheHandle& c, const py::tuple& k, const py::tuple& v) {
+void cache_append(CacheHandle& c, const py::tuple& k, const py::tuple& v,
+                  const py::object& stream) {
   dattn::Runtime& rt = use(*c.runtime);
   dattn::KvCache& cache = c.get();
   dattn::Tensor tk, tv;
@@ -805,6 +1007,8 @@ void cache_append(CacheHandle& c, const py::tuple& k, const py::tuple& v) {
     tv = as_bshd(v, "v");
     check_cache_rows(tk, tv, cache, tk.size(1));
   });
+  const CallStream on(rt, stream);
+  const dattn::StreamScope scope(on.stream());
   py::gil_scoped_release release;
   cache.append(tk, tv);
 }
@@ -822,7 +1026,7 @@ std::shared_ptr<RuntimeHandle> call_runtime(const CacheHandle& c, const py::obje
 }
 
 py::tuple decode_step(const py::tuple& q, const CacheHandle& c, const std::string& strategy,
-                      const py::object& runtime) {
+                      const py::object& runtime, const py::object& stream) {
   const auto h = call_runtime(c, runtime);
   dattn::Runtime& rt = use(*h);
   dattn::Tensor tq;
@@ -832,19 +1036,20 @@ py::tuple decode_step(const py::tuple& q, const CacheHandle& c, const std::strin
                                tq = as_bshd(q, "q");
                                s = dattn::parse_decode_strategy(strategy);
                              });
+  const CallStream on(rt, stream);
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::decode(rt, tq, c.get(), s);
   }
-  return partial_result(std::move(r));
+  return partial_result(std::move(r), on.stream());
 }
 
 // ---------------------------------------------------------------- star attention
 
 py::tuple star_prefill(const py::tuple& q, const py::tuple& k, const py::tuple& v,
                        const py::dict& options, const py::object& block, const py::object& anchor,
-                       const py::object& runtime) {
+                       const py::object& runtime, const py::object& stream) {
   const auto h = handle_of(runtime);
   dattn::Runtime& rt = use(*h);
   Options o = options_from(options);
@@ -864,28 +1069,31 @@ py::tuple star_prefill(const py::tuple& q, const py::tuple& k, const py::tuple& 
   });
   const int64_t global = global_length(rt, tq.size(1));
   const dattn::Layout layout = dattn::Layout::blocks(global, rt.cp_size(), o.block);
+  const CallStream on(rt, stream);
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::star_prefill(rt, tq, tk, tv, spec, layout, a);
   }
-  return partial_result(std::move(r));
+  return partial_result(std::move(r), on.stream());
 }
 
 // The merged result on the query rank (the last cp rank); None on the others.
-py::object star_decode(const py::tuple& q, const CacheHandle& c, const py::object& runtime) {
+py::object star_decode(const py::tuple& q, const CacheHandle& c, const py::object& runtime,
+                       const py::object& stream) {
   const auto h = call_runtime(c, runtime);
   dattn::Runtime& rt = use(*h);
   dattn::Tensor tq;
   dattn::agree_on_validation(rt.cp(), "dattn.star_decode arguments", dattn::kHashSeed,
                              [&] { tq = as_bshd(q, "q"); });
+  const CallStream on(rt, stream);
   dattn::Partial r;
   {
     py::gil_scoped_release release;
     r = dattn::star_decode(rt, tq, c.get());
   }
   if (!r.out.defined()) return py::none();
-  return partial_result(std::move(r));
+  return partial_result(std::move(r), on.stream());
 }
 
 // ---------------------------------------------------------------- MLA
@@ -926,10 +1134,10 @@ dattn::RopePlacement parse_rope(const std::string& name) {
 // (mla_shard_cache: a view for head_split, a copy of the slice's columns for TPLA), the transform
 // (if any) folded into the weights and applied to the cache (copies), then the distributed
 // decode. Every local step runs inside one agreed validation. Collective.
-Buffer mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tuple& c_kv,
-                  const py::tuple& k_pe, const py::tuple& w_uk, const py::tuple& w_uv,
-                  const py::object& calibration, const py::dict& mla, const py::dict& options,
-                  const py::object& runtime) {
+py::object mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tuple& c_kv,
+                      const py::tuple& k_pe, const py::tuple& w_uk, const py::tuple& w_uv,
+                      const py::object& calibration, const py::dict& mla, const py::dict& options,
+                      const py::object& runtime, const py::object& stream) {
   const auto h = handle_of(runtime);
   dattn::Runtime& rt = use(*h);
   const Options o = options_from(options);
@@ -999,12 +1207,13 @@ Buffer mla_decode(const py::tuple& q_nope, const py::tuple& q_pe, const py::tupl
     }
     shard = dattn::mla_shard_cache(cfg, parallel, tpla, cache, kp, rt.cp_rank(), rt.cp_size());
   });
+  const CallStream on(rt, stream);
   dattn::Tensor out;
   {
     py::gil_scoped_release release;
     out = dattn::mla_decode(rt, parallel, cfg, w, qn, qp, shard, pos0, tpla, mask);
   }
-  return to_buffer(std::move(out));
+  return result(std::move(out), on.stream());
 }
 
 // Sums a C-contiguous float64 buffer over every rank of MPI_COMM_WORLD, in place, through the
@@ -1075,6 +1284,30 @@ void add_error_classes(py::module_& m) {
   }
 }
 
+#if DATTN_CUDA_EMULATION
+// The module built on the CUDA emulation (tests/emu, dattn._C of build/python-emu) has
+// _C.emulation, the fake runtime's streams and their accounting, so that the Python tests can
+// hand a call a stream and assert which stream its work went to and that the host never waited.
+void add_emulation(py::module_& m) {
+  py::module_ e = m.def_submodule("emulation", "The CUDA emulation's streams (tests only).");
+  e.def("stream_create", [] {
+    cudaStream_t s = nullptr;
+    if (cudaStreamCreate(&s) != cudaSuccess) DATTN_THROW("cudaStreamCreate failed");
+    return reinterpret_cast<uintptr_t>(s);
+  });
+  e.def("ops_on", [](uintptr_t s) {
+    return dattn::emu::stream_stats().ops_on(reinterpret_cast<const void*>(s));
+  });
+  e.def("waits_on", [](uintptr_t s) {
+    return dattn::emu::stream_stats().waits_on(reinterpret_cast<const void*>(s));
+  });
+  e.def("device_waits", [] { return dattn::emu::stream_stats().device_waits; });
+  e.def("is_device_memory", [](uintptr_t p) {
+    return dattn::emu::is_device_range(reinterpret_cast<const void*>(p), 1);
+  });
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -1082,6 +1315,38 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Buffer>(m, "Buffer", py::buffer_protocol(),
                      "A result's storage; np.asarray(b) views it without a copy.")
       .def_buffer(&buffer_info);
+  py::class_<DeviceArray>(m, "DeviceArray",
+                          "A tensor in GPU memory (see dattn.DeviceArray): "
+                          "__cuda_array_interface__, shape, dtype, device, to_host().")
+      .def_property_readonly("__cuda_array_interface__", &cuda_array_interface)
+      .def_property_readonly("shape", [](const DeviceArray& a) { return shape_of(*a.tensor); })
+      .def_property_readonly("dtype",
+                             [](const DeviceArray& a) { return dtype_code(a.tensor->dtype()); })
+      .def_property_readonly("device",
+                             [](const DeviceArray& a) { return a.tensor->device().index; })
+      .def("to_host",  // a numpy array over the copy (numpy's, not its C API: see Buffer)
+           [](const DeviceArray& a) {
+             return py::module_::import("numpy").attr("asarray")(to_host(a));
+           })
+      .def("__repr__", [](const DeviceArray& a) {
+        return cat("dattn.DeviceArray(", a.tensor->shape_str(), " on ", a.tensor->device().str(),
+                   ")");
+      });
+  // (array, dtype) in host memory -> a DeviceArray on GPU `device` (None: the current one): the
+  // copy is complete when this returns (pageable host memory), in the legacy default stream's
+  // order.
+  m.def(
+      "to_device",
+      [](const py::tuple& t, const py::object& device) {
+        const dattn::Tensor host = as_tensor(t, "x", -1, "");
+        DATTN_CHECK_ARG(host.device().is_cpu(), "x", "a device array", "an array in host memory");
+        const dattn::Device to = device.is_none()
+                                     ? dattn::current_cuda_device()
+                                     : dattn::Device::cuda(int_option(device, "device"));
+        const dattn::StreamScope on(nullptr);
+        return DeviceArray{std::make_shared<const dattn::Tensor>(host.to_device(to)), nullptr};
+      },
+      py::arg("x"), py::arg("device"));
   add_error_classes(m);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -1099,7 +1364,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RuntimeHandle, std::shared_ptr<RuntimeHandle>>(m, "Runtime",
                                                             "A dattn::Runtime (see dattn.Runtime).")
       .def(py::init(&make_runtime), py::arg("comm_address"), py::arg("tp"), py::arg("ulysses"),
-           py::arg("threads"), py::arg("check_finite"), py::arg("timeout_s"))
+           py::arg("threads"), py::arg("check_finite"), py::arg("timeout_s"), py::arg("device"),
+           py::arg("stream"))
       .def_property_readonly("rank", [](RuntimeHandle& h) { return get(h).rank(); })
       .def_property_readonly("size", [](RuntimeHandle& h) { return get(h).size(); })
       .def_property_readonly("cp_rank", [](RuntimeHandle& h) { return get(h).cp_rank(); })
@@ -1109,7 +1375,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("ulysses", [](RuntimeHandle& h) { return get(h).ulysses_degree(); })
       .def_property_readonly("threads", [](RuntimeHandle& h) { return get(h).threads(); })
       .def_property_readonly("check_finite", [](RuntimeHandle& h) { return get(h).check_finite(); })
-      .def_property_readonly("device", [](RuntimeHandle& h) { return get(h).device().str(); });
+      .def_property_readonly("device", [](RuntimeHandle& h) { return get(h).device().str(); })
+      .def_property_readonly(
+          "stream", [](RuntimeHandle& h) { return reinterpret_cast<uintptr_t>(get(h).stream()); });
   m.def("default_runtime", &default_handle);
   m.def("omp_max_threads", &omp_get_max_threads,
         "OpenMP's thread count for this process's next parallel region (tests check that a "
@@ -1121,8 +1389,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&make_cache), py::arg("heads_q"), py::arg("heads_kv"), py::arg("head_dim"),
            py::arg("head_dim_v"), py::arg("batch"), py::arg("dtype"), py::arg("capacity"),
            py::arg("placement"), py::arg("options"), py::arg("runtime"))
-      .def("prefill", &cache_prefill)
-      .def("append", &cache_append)
+      .def("prefill", &cache_prefill, py::arg("k"), py::arg("v"), py::arg("options"),
+           py::arg("stream") = py::none())
+      .def("append", &cache_append, py::arg("k"), py::arg("v"), py::arg("stream") = py::none())
       .def("positions", &cache_positions)
       .def_property_readonly("runtime", [](const CacheHandle& c) { return c.runtime; })
       .def_property_readonly("length", [](const CacheHandle& c) { return c.get().length(); })
@@ -1161,20 +1430,32 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("code") = 1, "Aborts every rank of the job with the exit code (MPI_Abort).");
   // runtime: None (the default runtime) or a dattn.Runtime's handle.
+  // stream: None, or the CUDA stream of a call on device arrays (CallStream, local_stream).
   m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("options"), py::arg("runtime") = py::none());
+        py::arg("options"), py::arg("runtime") = py::none(), py::arg("stream") = py::none());
   m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("options"),
-        py::arg("runtime") = py::none());
-  m.def("attention_local_forward", &attention_local_forward);
-  m.def("attention_local_backward", &attention_local_backward);
+        py::arg("runtime") = py::none(), py::arg("stream") = py::none());
+  m.def("attention_local_forward", &attention_local_forward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("options"), py::arg("stream") = py::none());
+  m.def("attention_local_backward", &attention_local_backward, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("options"),
+        py::arg("stream") = py::none());
   m.def("layout_positions", &layout_positions, py::arg("kind"), py::arg("global_seq"),
         py::arg("rank"), py::arg("world"), py::arg("stripe_block"), py::arg("cu_seqlens"),
         py::arg("block") = 0);
-  m.def("decode", &decode_step);
-  m.def("star_prefill", &star_prefill);
-  m.def("star_decode", &star_decode);
-  m.def("mla_decode", &mla_decode);
+  m.def("decode", &decode_step, py::arg("q"), py::arg("cache"), py::arg("strategy"),
+        py::arg("runtime"), py::arg("stream") = py::none());
+  m.def("star_prefill", &star_prefill, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("options"),
+        py::arg("block"), py::arg("anchor"), py::arg("runtime"), py::arg("stream") = py::none());
+  m.def("star_decode", &star_decode, py::arg("q"), py::arg("cache"), py::arg("runtime"),
+        py::arg("stream") = py::none());
+  m.def("mla_decode", &mla_decode, py::arg("q_nope"), py::arg("q_pe"), py::arg("c_kv"),
+        py::arg("k_pe"), py::arg("w_uk"), py::arg("w_uv"), py::arg("calibration"), py::arg("mla"),
+        py::arg("options"), py::arg("runtime"), py::arg("stream") = py::none());
   m.def("time_forward", &time_forward);
   m.def("allreduce_sum", &allreduce_sum);
+#if DATTN_CUDA_EMULATION
+  add_emulation(m);
+#endif
 }

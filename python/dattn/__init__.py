@@ -21,12 +21,21 @@ Hadamard or PCA transform of the latent), and Runtime (or from_comm, over an mpi
 communicator) for the options of dattn::RuntimeOptions. Every distributed call takes
 ``runtime=``; without it the module's default runtime over MPI_COMM_WORLD runs it.
 
-Tensors are numpy arrays (float32, float16) or CPU torch tensors (float32, bfloat16, float16);
-attention tensors are bshd ([batch, seq, heads, head_dim]). Results are float32, numpy for
-numpy inputs and torch for torch inputs, over the library's own storage (no copy). An input
-that is C-contiguous is read where it lies (no copy); attention, attention_local and their
-backward calls copy a non-contiguous one, every other call refuses it (InvalidArgumentError
-naming it).
+Tensors are numpy arrays (float32, float16), torch tensors (float32, bfloat16, float16) or, in
+GPU memory, objects with __cuda_array_interface__ (a dattn.DeviceArray, CuPy); attention tensors
+are bshd ([batch, seq, heads, head_dim]). Results are float32, numpy for numpy inputs and torch
+for torch inputs, over the library's own storage (no copy); in GPU memory they are torch CUDA
+tensors for torch inputs, else dattn.DeviceArray. An input that is C-contiguous is read where it
+lies (no copy); attention, attention_local and their backward calls copy a non-contiguous one,
+every other call refuses it (InvalidArgumentError naming it).
+
+GPUs: a Runtime(device="cuda") runs its calls on this rank's GPU, over NCCL, on torch CUDA
+tensors (or other device arrays) without a copy. A call runs on the current torch stream of its
+tensors (torch.cuda.current_stream()), or on the "stream" their __cuda_array_interface__
+names, else on the Runtime's stream=; it returns once the work is queued (no call waits for the
+GPU). Its results are complete in that stream's order and are freed on it: a consumer on
+another stream waits for it first (an event) and, like torch's record_stream, keeps a result
+alive until that stream is past its use.
 
 Errors raise a subclass of dattn.Error with the library's message (it names the parameter and the
 rank) and its kind as e.kind; each also derives from the builtin a caller expects:
@@ -55,6 +64,7 @@ __all__ = [
     "attention", "attention_backward", "attention_local", "attention_local_backward",
     "Runtime", "from_comm", "default_runtime", "KvCache", "decode", "star_prefill", "star_decode",
     "mla_decode", "layout_positions", "rank", "world_size", "allreduce_sum", "barrier", "abort",
+    "to_device", "DeviceArray",
     "finalize", "Error", "InvalidArgumentError", "OutOfMemoryError", "MPIError", "CUDAError",
     "NCCLError", "InternalError",
 ]
@@ -76,11 +86,77 @@ CUDAError = _C.CUDAError
 NCCLError = _C.NCCLError
 InternalError = _C.InternalError
 
+# A tensor in GPU memory made by dattn (a result on a GPU, or to_device's copy): its
+# __cuda_array_interface__ (version 3; bfloat16 as '<u2' patterns), shape, dtype ("fp32",
+# "fp16", "bf16"), device (the GPU's index) and to_host() (a numpy copy, once its stream is done).
+DeviceArray = _C.DeviceArray
+
 
 # ---------------------------------------------------------------- arrays in and out
 
 def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+class _TorchCuda:
+    """What dattn asks of torch about CUDA tensors, in one place: whether a tensor is one, the
+    device array the extension reads it through, the stream a call on it runs on, and a result
+    as a torch tensor. (The emulated tests, tests/python/test_cuda_tensors.py, replace this with
+    the CUDA emulation's counterpart, as no torch tensor is a CUDA tensor there.)"""
+
+    @staticmethod
+    def is_device(x):
+        return x.is_cuda
+
+    @staticmethod
+    def view(x, typestr):
+        return _CudaView(x, typestr)
+
+    @staticmethod
+    def stream(x):
+        return torch.cuda.current_stream(x.device).cuda_stream
+
+    @staticmethod
+    def tensor(a):
+        """A torch CUDA tensor over a DeviceArray (no copy; it keeps the array alive)."""
+        return torch.as_tensor(a, device=torch.device("cuda", a.device))
+
+
+_torch_cuda = _TorchCuda
+
+
+class _CudaView:
+    """A torch CUDA tensor as the extension reads GPU memory: __cuda_array_interface__ over its
+    storage (zero copy), with bfloat16 as its 16-bit patterns ('<u2', which torch's own interface
+    refuses). Holds the tensor for the duration of the call."""
+
+    def __init__(self, x, typestr):
+        self.tensor = x
+        self.shape = tuple(x.shape)
+        self.__cuda_array_interface__ = {"shape": self.shape, "typestr": typestr,
+                                         "data": (x.data_ptr(), False), "strides": None,
+                                         "version": 3}
+
+
+_TYPESTRS = {"<f4": "fp32", "<f2": "fp16", "<u2": "bf16", "<i2": "bf16"}
+
+
+def _device_array(x):
+    """Whether x is GPU memory for the extension: a torch CUDA tensor, or an object with
+    __cuda_array_interface__ (a dattn.DeviceArray, CuPy, Numba)."""
+    if _is_torch(x):
+        return _torch_cuda.is_device(x)
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def _stream_of(x):
+    """The stream a call on x runs on: torch's current stream for a CUDA tensor, the "stream" of
+    another device array's interface (None there: the Runtime's), None for host memory."""
+    if not _device_array(x):
+        return None
+    if _is_torch(x):
+        return _torch_cuda.stream(x)
+    return x.__cuda_array_interface__.get("stream")
 
 
 def _as_array(x, name, copy=True):
@@ -89,9 +165,19 @@ def _as_array(x, name, copy=True):
     otherwise passed as it is, for the extension to reject naming it. What dattn cannot take goes
     as an empty array with a description instead, for the extension to reject on every rank at
     once."""
+    if _is_torch(x) and _torch_cuda.is_device(x):
+        x = x.detach()
+        if copy:
+            x = x.contiguous()
+        codes = {torch.float32: ("<f4", "fp32"), torch.bfloat16: ("<u2", "bf16"),
+                 torch.float16: ("<f2", "fp16")}
+        if x.dtype not in codes:
+            return (_NOTHING, f"dtype {x.dtype}: expected float32, bfloat16 or float16")
+        typestr, code = codes[x.dtype]
+        return (_torch_cuda.view(x, typestr), code)
     if _is_torch(x):
         if x.device.type != "cpu":
-            return (_NOTHING, f"a tensor on device {x.device}: expected a CPU tensor")
+            return (_NOTHING, f"a tensor on device {x.device}: expected a CPU or CUDA tensor")
         x = x.detach()
         if copy:
             x = x.contiguous()
@@ -102,6 +188,13 @@ def _as_array(x, name, copy=True):
         if x.dtype == torch.float16:
             return (x.numpy(), "fp16")
         return (_NOTHING, f"dtype {x.dtype}: expected float32, bfloat16 or float16")
+    if hasattr(x, "__cuda_array_interface__"):  # read as it is: the extension checks the rest
+        typestr = x.__cuda_array_interface__.get("typestr")
+        code = x.dtype if isinstance(x, DeviceArray) else _TYPESTRS.get(typestr)
+        if code is None:
+            return (_NOTHING, f"__cuda_array_interface__ typestr {typestr!r}: expected '<f4' "
+                              "(float32), '<f2' (float16) or '<u2' (bfloat16's patterns)")
+        return (x, code)
     a = np.asarray(x)
     if a.dtype == np.float32 or a.dtype == np.float16:
         return (np.ascontiguousarray(a) if copy else a, "fp32" if a.dtype == np.float32 else "fp16")
@@ -216,13 +309,24 @@ def _options(causal, softmax_scale, window, cu_seqlens, layout="contiguous", str
 
 
 def _array(buffer):
-    """A numpy array over a result's storage (the extension's Buffer), without a copy."""
-    return np.asarray(buffer)
+    """A numpy array over a result's storage (the extension's Buffer), without a copy; a result in
+    GPU memory stays a DeviceArray."""
+    return buffer if isinstance(buffer, DeviceArray) else np.asarray(buffer)
 
 
 def _tensor(buffer):
-    """A torch tensor over a result's storage, without a copy."""
+    """A torch tensor over a result's storage (host or GPU memory), without a copy."""
+    if isinstance(buffer, DeviceArray):
+        return _torch_cuda.tensor(buffer)
     return torch.from_numpy(np.asarray(buffer))
+
+
+def to_device(x, device=None):
+    """A copy of x (a numpy array or CPU torch tensor: float32, float16, bfloat16) on GPU
+    `device` (an index; None: the current CUDA device, which making a Runtime(device="cuda")
+    sets to its GPU) as a dattn.DeviceArray, for calls on a GPU Runtime from programs without a
+    GPU array library. Complete when it returns."""
+    return _C.to_device(_as_array(x, "x"), device)
 
 
 def _result(buffers, like_torch):
@@ -274,13 +378,22 @@ class Runtime:
     as well). timeout_s: the watchdog's deadline in seconds for any wait (None: DATTN_TIMEOUT,
     else 300); past it the job is aborted with a message (exit code 14).
 
+    device: "cpu" (None), "cuda" (the GPU whose index is this rank's among the ranks of its node:
+    one GPU per rank, as mpirun and srun place them), "cuda:N", an int N or a torch.device; a
+    GPU runtime's groups are NCCL communicators and its calls take tensors in that GPU's memory.
+    stream: its calls' CUDA stream when their tensors name none (a torch.cuda.Stream or a
+    cudaStream_t as an int; None: the legacy default stream); a call on torch CUDA tensors runs
+    on torch's current stream instead.
+
     Collective over comm. A bad option raises InvalidArgumentError naming it on every rank of
     comm. Attributes: rank, size (in comm), cp_rank, cp_size, tp_rank, tp_size, ulysses, threads,
-    check_finite, device, comm. dattn.finalize() releases every Runtime."""
+    check_finite, device ("cpu", "cuda:N"), stream (an int; 0: the legacy default), comm.
+    dattn.finalize() releases every Runtime."""
 
     def __init__(self, tp=1, ulysses=1, threads=None, check_finite=False, timeout_s=None,
-                 comm=None):
-        self._c = _C.Runtime(_comm_address(comm), tp, ulysses, threads, check_finite, timeout_s)
+                 comm=None, device=None, stream=None):
+        self._c = _C.Runtime(_comm_address(comm), tp, ulysses, threads, check_finite, timeout_s,
+                             _device_name(device), _stream_value(stream))
         self.comm = comm
 
     @classmethod
@@ -299,11 +412,28 @@ class Runtime:
     threads = property(lambda self: self._c.threads)
     check_finite = property(lambda self: self._c.check_finite)
     device = property(lambda self: self._c.device)
+    stream = property(lambda self: self._c.stream)
 
     def __repr__(self):
         return (f"dattn.Runtime(rank {self.rank} of {self.size}: cp {self.cp_rank} of "
                 f"{self.cp_size}, tp {self.tp_rank} of {self.tp_size}, ulysses {self.ulysses}, "
-                f"threads {self.threads}, check_finite {self.check_finite})")
+                f"threads {self.threads}, check_finite {self.check_finite}, "
+                f"device {self.device})")
+
+
+def _device_name(device):
+    """Runtime's device= as the extension takes it: "cpu", "cuda" or "cuda:N"; what is none of
+    these goes as it is written, for the extension to reject on every rank."""
+    if device is None:
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return f"cuda:{device}"
+    return str(device)  # a str, or a torch.device ("cuda:1", "cuda", "cpu")
+
+
+def _stream_value(stream):
+    """Runtime's stream= as an integer handle (a torch.cuda.Stream's cuda_stream), or None."""
+    return getattr(stream, "cuda_stream", stream)
 
 
 def from_comm(comm, **options):
@@ -344,14 +474,15 @@ class _Call:
 
     def forward(self, q, k, v):
         out, lse = self.forward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
-                                   self.options, *self.extra)
+                                   self.options, *self.extra, stream=_stream_of(q))
         return _tensor(out), _tensor(lse)
 
     def backward(self, q, k, v, out, lse, dout):
         """dq, dk, dv, and dsinks (float32 [heads_q]) with sinks, else None."""
         grads = self.backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                  _as_array(out, "out"), _as_array(lse, "lse"),
-                                 _as_array(dout, "dout"), self.options, *self.extra)
+                                 _as_array(dout, "dout"), self.options, *self.extra,
+                                 stream=_stream_of(q))
         return tuple(_tensor(g) for g in grads) + (None,) * (4 - len(grads))
 
 
@@ -397,7 +528,8 @@ def _run(call, q, k, v, return_lse, sinks=None):
             out, lse = call.forward(q, k, v)
     else:
         out, lse = _result(call.forward_fn(_as_array(q, "q"), _as_array(k, "k"),
-                                           _as_array(v, "v"), call.options, *call.extra), False)
+                                           _as_array(v, "v"), call.options, *call.extra,
+                                           stream=_stream_of(q)), False)
     return (out, lse) if return_lse else out
 
 
@@ -454,7 +586,8 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
     like_torch = _is_torch(q)
     res = _C.attention_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
-                                _as_array(dout, "dout"), options, _handle(runtime))
+                                _as_array(dout, "dout"), options, _handle(runtime),
+                                stream=_stream_of(q))
     return _result(res, like_torch)
 
 
@@ -482,7 +615,7 @@ def attention_local_backward(q, k, v, out, lse, dout, causal=False, softmax_scal
     like_torch = _is_torch(q)
     res = _C.attention_local_backward(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                       _as_array(out, "out"), _as_array(lse, "lse"),
-                                      _as_array(dout, "dout"), options)
+                                      _as_array(dout, "dout"), options, stream=_stream_of(q))
     return _result(res, like_torch)
 
 
@@ -545,7 +678,7 @@ class KvCache:
         is the sum of the ranks' n. Once, on an empty cache. Collective. Copies the rows into the
         cache; k and v must be C-contiguous."""
         options = _layout({}, layout, stripe_block, cu_seqlens, block)
-        self._c.prefill(_view(k, "k"), _view(v, "v"), options)
+        self._c.prefill(_view(k, "k"), _view(v, "v"), options, stream=_stream_of(k))
 
     def append(self, k, v):
         """Appends n tokens at global positions length .. length + n - 1: k [B, n, H_kv, D] and
@@ -553,7 +686,7 @@ class KvCache:
         keeps the tokens the placement gives it (with "last_rank" the others may pass any
         tensors of that shape). Raises InvalidArgumentError naming the capacity on every rank,
         storing nothing, when any rank's share does not fit. Collective."""
-        self._c.append(_view(k, "k"), _view(v, "v"))
+        self._c.append(_view(k, "k"), _view(v, "v"), stream=_stream_of(k))
 
     def positions(self):
         """The global positions (int64 numpy array) of this rank's cache rows, in row order."""
@@ -590,7 +723,8 @@ def decode(q, cache, strategy="tree", return_lse=False, runtime=None):
     gathers the whole cache). Collective over the cache's runtime (or `runtime`). Every rank
     returns the same whole result: out [B, S_q, H_q, Dv] float32 and, with return_lse,
     lse [B, H_q, S_q]."""
-    res = _C.decode(_view(q, "q"), _cache_handle(cache), str(strategy), _handle(runtime))
+    res = _C.decode(_view(q, "q"), _cache_handle(cache), str(strategy), _handle(runtime),
+                    stream=_stream_of(q))
     return _out(res, _is_torch(q), return_lse)
 
 
@@ -610,7 +744,7 @@ def star_prefill(q, k, v, block, anchor=None, causal=True, softmax_scale=None, w
     C-contiguous. sinks and softcap: as attention's (no gradient here)."""
     options = _sinks(_scale(_mask({}, causal, window), softmax_scale), sinks, softcap)
     res = _C.star_prefill(_view(q, "q"), _view(k, "k"), _view(v, "v"), options, block, anchor,
-                          _handle(runtime))
+                          _handle(runtime), stream=_stream_of(q))
     return _out(res, _is_torch(q), return_lse)
 
 
@@ -621,7 +755,8 @@ def star_decode(q, cache, return_lse=False, runtime=None):
     block) and the query tokens' K/V appended. q is read on the query rank (the last cp rank)
     only; the others pass any tensor of that shape. Collective. Returns out [B, S_q, H_q, Dv]
     float32 (and lse) on the query rank, exact over the cache; None on the other ranks."""
-    res = _C.star_decode(_view(q, "q"), _cache_handle(cache), _handle(runtime))
+    res = _C.star_decode(_view(q, "q"), _cache_handle(cache), _handle(runtime),
+                         stream=_stream_of(q))
     if res is None:
         return (None, None) if return_lse else None
     return _out(res, _is_torch(q), return_lse)
@@ -658,7 +793,7 @@ def mla_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, method="head_split", transf
     cal = None if calibration is None else _view(calibration, "calibration")
     res = _C.mla_decode(_view(q_nope, "q_nope"), _view(q_pe, "q_pe"), _view(c_kv, "c_kv"),
                         _view(k_pe, "k_pe"), _view(w_uk, "w_uk"), _view(w_uv, "w_uv"), cal, mla,
-                        options, _handle(runtime))
+                        options, _handle(runtime), stream=_stream_of(q_nope))
     return _tensor(res) if _is_torch(q_nope) else _array(res)
 
 

@@ -94,7 +94,7 @@ def attention(local, q, k, v, return_lse, *args):
 
 
 if REGISTERED:
-    from . import _as_array, _tensor  # noqa: E402 - the package's array conversion
+    from . import _as_array, _stream_of, _tensor  # noqa: E402 - the package's conversion
 
     torch.compiler.assume_constant_result(_op_options)
 
@@ -111,7 +111,8 @@ if REGISTERED:
             opts = _extension_options((causal, softmax_scale, window_left, window_right,
                                        cu_seqlens, layout, strategy, ulysses_degree,
                                        stripe_block))
-            out, lse = forward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"), opts)
+            out, lse = forward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"), opts,
+                                  stream=_stream_of(q))
             return _tensor(out), _tensor(lse)
 
         @forward.register_fake
@@ -130,7 +131,7 @@ if REGISTERED:
                                        stripe_block))
             grads = backward_fn(_as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v"),
                                 _as_array(out, "out"), _as_array(lse, "lse"),
-                                _as_array(dout, "dout"), opts)
+                                _as_array(dout, "dout"), opts, stream=_stream_of(q))
             return tuple(_tensor(g) for g in grads)
 
         @backward.register_fake

@@ -392,6 +392,10 @@ def check_runtime():
     raises(lambda: dattn.Runtime(timeout_s=-1), "timeout_s")
     raises(lambda: dattn.Runtime(timeout_s="soon"), "timeout_s")
     raises(lambda: dattn.Runtime(check_finite="yes"), "check_finite")
+    raises(lambda: dattn.Runtime(device="gpu"), "device", "'gpu'")
+    raises(lambda: dattn.Runtime(device=99), "device", "cuda:99")
+    raises(lambda: dattn.Runtime(stream=-1), "stream")
+    assert rt.device == "cpu" and rt.stream == 0, (rt.device, rt.stream)
     raises(lambda: dattn.Runtime(comm="world"), "comm")
     raises(lambda: dattn.decode(q, c0, runtime="default"), "runtime")
 

@@ -29,11 +29,6 @@
 #include "src/mla.h"
 #include "src/star.h"
 #include "src/validate.h"
-#if DATTN_CUDA_EMULATION
-#include <cuda_runtime_api.h>
-
-#include "tests/emu/fake_runtime.h"
-#endif
 
 namespace py = pybind11;
 using dattn::detail::cat;
@@ -1284,31 +1279,13 @@ void add_error_classes(py::module_& m) {
   }
 }
 
-#if DATTN_CUDA_EMULATION
-// The module built on the CUDA emulation (tests/emu, dattn._C of build/python-emu) has
-// _C.emulation, the fake runtime's streams and their accounting, so that the Python tests can
-// hand a call a stream and assert which stream its work went to and that the host never waited.
-void add_emulation(py::module_& m) {
-  py::module_ e = m.def_submodule("emulation", "The CUDA emulation's streams (tests only).");
-  e.def("stream_create", [] {
-    cudaStream_t s = nullptr;
-    if (cudaStreamCreate(&s) != cudaSuccess) DATTN_THROW("cudaStreamCreate failed");
-    return reinterpret_cast<uintptr_t>(s);
-  });
-  e.def("ops_on", [](uintptr_t s) {
-    return dattn::emu::stream_stats().ops_on(reinterpret_cast<const void*>(s));
-  });
-  e.def("waits_on", [](uintptr_t s) {
-    return dattn::emu::stream_stats().waits_on(reinterpret_cast<const void*>(s));
-  });
-  e.def("device_waits", [] { return dattn::emu::stream_stats().device_waits; });
-  e.def("is_device_memory", [](uintptr_t p) {
-    return dattn::emu::is_device_range(reinterpret_cast<const void*>(p), 1);
-  });
-}
-#endif
-
 }  // namespace
+
+#if DATTN_CUDA_EMULATION
+// The module built on the CUDA emulation (tests/emu, build/python-emu) adds _C.emulation, the
+// fake runtime's streams and their accounting (tests/emu/python_emulation.cpp).
+void dattn_add_emulation(py::module_& m);
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dattn's compiled core; use the dattn package, not this module.";
@@ -1456,6 +1433,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("time_forward", &time_forward);
   m.def("allreduce_sum", &allreduce_sum);
 #if DATTN_CUDA_EMULATION
-  add_emulation(m);
+  dattn_add_emulation(m);
 #endif
 }

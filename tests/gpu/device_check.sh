@@ -4,7 +4,8 @@
 # is a failure here, not a skip), run dattn-cuda-kernel-bench (our forward against cuBLAS's bf16
 # GEMM, the backward against the forward, and the split-KV decode's bandwidth at context 262144 against the device's copy
 # bandwidth, each in the same run) and, where a python3 with torch is there, torch's SDPA on the
-# same inputs; run the kernel tests under compute-sanitizer (memcheck, synccheck, initcheck,
+# same inputs; the Python binding's test of torch CUDA tensors where a CUDA torch imports; run the
+# kernel tests under compute-sanitizer (memcheck, synccheck, initcheck,
 # racecheck; a few small cases each); write a summary and JSON under $OUT. Sized to finish within
 # 8 minutes on a 16-core machine.
 #
@@ -83,7 +84,7 @@ say "probe: mpi4py mpicc: $("$python" -c 'import mpi4py; print(mpi4py.get_config
 
 # ---------------------------------------------------------------- configure and build
 args=(-S "$repo" -B "$build" -DCMAKE_BUILD_TYPE=Release
-      "-DCMAKE_CUDA_ARCHITECTURES=${DATTN_CUDA_ARCH:-90}" -DDATTN_BUILD_PYTHON=OFF)
+      "-DCMAKE_CUDA_ARCHITECTURES=${DATTN_CUDA_ARCH:-90}")
 command -v ninja >/dev/null && args+=(-G Ninja)
 read -r -a more <<<"${DATTN_DEVICE_CMAKE_ARGS:-}"
 args+=("${more[@]}")
@@ -91,7 +92,7 @@ if [[ -d $repo/.carry/googletest ]]; then args+=("-DDATTN_GTEST_SOURCE=$repo/.ca
 # Only the GPU targets: the CPU suite runs in CI, not here.
 targets=(test_cuda_attention test_cuda_movement test_device_tensor test_nccl test_gpu_attention
          test_gpu_decode test_gpu_star test_gpu_mla
-         dattn-cuda-kernel-bench dattn-prefill-bench dattn-decode-bench)
+         dattn-cuda-kernel-bench dattn-prefill-bench dattn-decode-bench dattn_python)
 build_ok=1
 if step configure 60 cmake "${args[@]}"; then
   have=()
@@ -163,6 +164,23 @@ for s in sdpa:
                   f"{o['tflops'] / s['tflops']:.3f} ({o['tflops']:.1f} vs {s['tflops']:.1f} TFLOP/s)")
 PY
   fi
+fi
+
+# ---------------------------------------------------------------- Python on the GPU
+# The Python binding's GPU path on torch's own CUDA tensors (tests/python/test_cuda_tensors.py,
+# one rank: autograd through CUDA tensors against float64 and the CPU path, DeviceArray, bad
+# input), where the MPI build made the module (python3 headers and pybind11 there) and a torch
+# with CUDA imports; exit 77 (no CUDA torch) is a skip.
+if ((build_ok)) && [[ -n $python && -d $build/python/dattn ]]; then
+  step "python cuda tensors" 40 env PYTHONPATH="$build/python" "$python" \
+    "$repo/tests/python/test_cuda_tensors.py"
+  case $? in
+    0) ;;
+    77) say "python cuda tensors: skipped (no torch with CUDA, or numpy, for $python)" ;;
+    *) failed+=(python) ;;
+  esac
+else
+  say "python cuda tensors: not run (no Python module built)"
 fi
 
 # ---------------------------------------------------------------- compute-sanitizer

@@ -489,7 +489,11 @@ dattn::Tensor as_tensor(const py::tuple& t, const char* name, int ndim, const ch
   dattn::DType d;
   dattn::Device device;
   bool dense = true;
-  const py::object cai = py::getattr(t[0], "__cuda_array_interface__", py::none());
+  // Host memory first: a buffer is never asked for the interface (a failed attribute lookup
+  // costs about a microsecond an array, at every call).
+  const bool buffer = PyObject_CheckBuffer(t[0].ptr()) != 0;
+  const py::object cai =
+      buffer ? py::none() : py::getattr(t[0], "__cuda_array_interface__", py::none());
   if (!cai.is_none()) {
     const py::dict i = cai.cast<py::dict>();
     const std::string ts = i["typestr"].cast<std::string>();

@@ -4,7 +4,8 @@ autograd on a Runtime(device="cuda"), for ring, Ulysses and hybrid on zigzag and
 layouts, bf16 and fp16, GQA: out, lse, dq, dk, dv against float64 torch autograd and against the
 CPU path's, leaves read without a copy, results left in GPU memory, repeated backward calls
 bit-identical; the call's work on the tensors' stream, with no host wait; DeviceArray and
-to_device for programs without torch; attention_local on device arrays; and bad input (host
+to_device for programs without torch; attention_local, KvCache and decode on device arrays; an
+empty shard (a null data pointer); and bad input (host
 arrays on a GPU Runtime, an interface naming host memory, device tensors on a CPU Runtime, a bad
 device=) raised on every rank.
 
@@ -363,6 +364,32 @@ def check_device_arrays(gpu):
               "attention_local(_backward), KvCache and decode on a GPU match the CPU path")
 
 
+class _Null:
+    """An empty device array as torch gives one: data pointer 0 (no memory to point into)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f2", "data": (0, False),
+                                         "version": 3}
+
+
+def check_empty_shard(gpu):
+    """P - 1 tokens on P ranks: the last rank's shard is empty, its arrays null pointers (taken
+    as the Runtime's device); every rank's result matches the CPU path."""
+    S = max(P - 1, 1)
+    pos = dattn.layout_positions("contiguous", S)
+    x = np.random.default_rng(9).standard_normal((1, S, 2, 64)).astype(np.float16)
+    mine = np.ascontiguousarray(x[:, pos])
+    dev = _Null(mine.shape) if mine.shape[1] == 0 else dattn.to_device(mine, DEVICE_INDEX)
+    out, lse = dattn.attention(dev, dev, dev, causal=True, runtime=gpu, return_lse=True)
+    ref, ref_lse = dattn.attention(mine, mine, mine, causal=True, return_lse=True)
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape, f"rank {RANK}: {out.shape}"
+    assert np.abs(out.to_host() - ref).max(initial=0) <= 1e-3, f"rank {RANK}: empty-shard out"
+    if RANK == 0:
+        empty = ", the last rank's shard empty," if P > 1 else ""
+        print(f"test_cuda_tensors: {S} tokens on {P} ranks{empty} match the CPU path")
+
+
 # ---------------------------------------------------------------- bad input
 
 def expect_error(fn, cls, words, what):
@@ -424,6 +451,7 @@ def main():
     check_autograd(gpu)
     check_streams(gpu)
     check_device_arrays(gpu)
+    check_empty_shard(gpu)
     check_bad_input(gpu)
     if RANK == 0:
         print(f"test_cuda_tensors: all passed on {P} ranks in {time.time() - t0:.1f} s")

@@ -727,6 +727,10 @@ Distributed distributed(const Options& o, const py::object& runtime, const py::t
     d.q = as_bshd(q, "q", rt->device());
     d.k = as_bshd(k, "k", rt->device());
     d.v = as_bshd(v, "v", rt->device());
+    if (!given)  // the library would say "expected cpu"; say what to do about it
+      DATTN_CHECK_ARG(d.q.device().is_cpu(), "q device", d.q.device().str(),
+                      "cpu on the default runtime (for GPU tensors pass "
+                      "runtime=dattn.Runtime(device=\"cuda\"))");
     d.strategy =
         dattn::parse_strategy(o.strategy);  // prefill schedules only: ring, ulysses, hybrid
     if (d.strategy == dattn::Strategy::hybrid && given)

@@ -424,7 +424,9 @@ def check_bad_input(gpu):
                  dattn.InvalidArgumentError, ["q data", "GPU memory"], "host memory as device")
     # Device arrays on the default (CPU) runtime.
     expect_error(lambda: dattn.attention(d, d, d), dattn.InvalidArgumentError,
-                 ["q device", "cpu"], "device arrays on a CPU Runtime")
+                 ["q device", "cpu", 'Runtime(device="cuda")'], "device arrays on a CPU Runtime")
+    expect_error(lambda: dattn.attention(d, d, d, runtime=dattn.Runtime()),
+                 dattn.InvalidArgumentError, ["q device", "cpu"], "device arrays, CPU Runtime=")
     # A bad device.
     expect_error(lambda: dattn.Runtime(device="gpu"), dattn.InvalidArgumentError,
                  ["device", "'gpu'"], "device='gpu'")

@@ -20,8 +20,9 @@ run=$build/bin/dattn-run
 work=$(mktemp -d "${TMPDIR:-/tmp}/dattn-reliability.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 export DATTN_BUILD_DIR=$build OMP_NUM_THREADS=1
-# Open MPI as root on a small machine (PLATFORM.md), for the fault test's plain mpiexec too.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Open MPI as root on a small machine (PLATFORM.md), for the fault test's plain mpiexec too;
+# a failed job ends without mpiexec's 1 s wait between SIGTERM and SIGKILL (tests/CMakeLists.txt).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_odls_base_sigkill_timeout=0
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 rows=()

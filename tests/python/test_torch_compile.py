@@ -12,8 +12,8 @@ is missing or older than 2.4 (no torch.library.custom_op; dattn then keeps its
 torch.autograd.Function, which tests/python/test_gradients.py covers).
   PYTHONPATH=build/python bash launch/mpirun.sh -n 2 /work/venv/bin/python \\
       tests/python/test_torch_compile.py
-TORCHINDUCTOR_CACHE_DIR (ctest sets it in the build folder) keeps inductor's compiled kernels
-between runs: a first run compiles for about 30 s, later ones take a few seconds.
+TORCHINDUCTOR_CACHE_DIR (ctest sets ~/.cache/dattn/torchinductor) keeps inductor's compiled
+kernels between runs: a first run compiles for about 30 s, later ones take a few seconds.
 """
 
 import os

@@ -131,15 +131,20 @@ struct Tiles {
     return {p, ld};
   }
 
-  // O[bq, Dv] += P[bq, bk] V[bk, Dv]: P is fp32 in ws.s, and on the bf16 path also split into
+  // o[bq, Dv] += P[bq, bk] V[bk, Dv]: P is fp32 in ws.s, and on the bf16 path also split into
   // ws.p_hi + ws.p_lo (split_row).
-  void add_pv(Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V, int64_t Dv) const {
+  void add_pv(Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V, int64_t Dv,
+              float* o) const {
     if (op == DType::f32) {
-      tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.s, bk}, V, true, ws.o, Dv);
+      tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.s, bk}, V, true, o, Dv);
       return;
     }
-    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_hi, bk}, V, true, ws.o, Dv);
-    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_lo, bk}, V, true, ws.o, Dv);
+    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_hi, bk}, V, true, o, Dv);
+    tile_gemm(path, op, bq, Dv, bk, 1.f, {ws.p_lo, bk}, V, true, o, Dv);
+  }
+  // X from its row r on (an operand's rows are its first index).
+  GemmOperand from_row(const GemmOperand& X, int64_t r) const {
+    return {static_cast<const char*>(X.ptr) + size_t(r * X.ld) * elem(), X.ld, X.trans};
   }
   // On the bf16 path, row i of P (ws.s, bk wide) into ws.p_hi and ws.p_lo, while it is in cache.
   void split_row(Workspace& ws, int64_t i, int64_t bk) const {
@@ -147,8 +152,10 @@ struct Tiles {
   }
 };
 
-// Keys are left out of a partially visible tile in steps of this many (see the kernel).
+// Keys are left out of a partially visible tile in steps of this many, and its query rows are
+// taken this many at a time (see the kernel).
 constexpr int64_t kTrimStep = 64;
+constexpr int64_t kSubRows = 64;
 
 // Whether hidden(j) for every j in [a, b).
 template <class Hidden>
@@ -180,7 +187,7 @@ float value_at(const Tiles& t, const GemmOperand& V, int64_t r, int64_t c) {
 // are the same GEMMs' over the same P, bit for bit what they are when those rows hold finite
 // values.
 void add_pv_sanitised(const Tiles& t, Workspace& ws, int64_t bq, int64_t bk, const GemmOperand& V,
-                      int64_t Dv) {
+                      int64_t Dv, float* o) {
   ws.bad.clear();
   const size_t row_bytes = size_t(Dv) * t.elem(), ld_bytes = size_t(V.ld) * t.elem();
   ws.vs.resize(size_t(bk) * ld_bytes);
@@ -193,13 +200,13 @@ void add_pv_sanitised(const Tiles& t, Workspace& ws, int64_t bq, int64_t bk, con
       ws.bad.push_back(j);
     }
   }
-  t.add_pv(ws, bq, bk, {ws.vs.data(), V.ld}, Dv);
+  t.add_pv(ws, bq, bk, {ws.vs.data(), V.ld}, Dv, o);
   for (int64_t j : ws.bad)
     for (int64_t i = 0; i < bq; ++i) {
       const float p = ws.s[i * bk + j];
       if (p == 0.f) continue;
       for (int64_t c = 0; c < Dv; ++c)
-        ws.o[i * Dv + c] += p * value_at(t, V, j, c);
+        o[i * Dv + c] += p * value_at(t, V, j, c);
     }
 }
 
@@ -248,82 +255,112 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
     const int64_t qlo = std::min(q_pos(i0), q_pos(i0 + bq - 1));
     const int64_t qhi = std::max(q_pos(i0), q_pos(i0 + bq - 1));
 
-    for (int64_t tile0 = 0; tile0 < k_len; tile0 += kTileK) {
-      int64_t j0 = tile0, bk = std::min(kTileK, k_len - tile0);
-      auto cover_of = [&] {
-        return mask.cover(qlo, qhi, std::min(k_pos(j0), k_pos(j0 + bk - 1)),
-                          std::max(k_pos(j0), k_pos(j0 + bk - 1)));
-      };
-      Mask::Cover cover = cover_of();
-      if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
-      if (cover == Mask::Cover::some) {
-        // Keys at the tile's ends that no row of the query tile sees (the far side of a causal
-        // diagonal or window edge) are left out, in steps of kTrimStep so that the GEMM shapes
-        // stay few: on a causal mask the 256-row query tiles see half of a 512-key tile.
-        const auto hidden = [&](int64_t j) {
-          return mask.cover(qlo, qhi, k_pos(j), k_pos(j)) == Mask::Cover::none;
-        };
-        int64_t lo = 0, hi = bk;  // the kept keys: [j0 + lo, j0 + hi)
-        while (hi - lo >= kTrimStep && all_hidden(hidden, j0 + hi - kTrimStep, j0 + hi))
-          hi -= kTrimStep;
-        while (hi - lo >= kTrimStep && all_hidden(hidden, j0 + lo, j0 + lo + kTrimStep))
-          lo += kTrimStep;
-        if (lo == hi) continue;
-        j0 += lo;
-        bk = hi - lo;
-        cover = cover_of();
-      }
-      if (progress.fn != nullptr && omp_get_thread_num() == 0) progress();
-      const GemmOperand K =
-          tiles.rows(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0, bk, ws.k);
-      const GemmOperand V =
-          tiles.rows(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + j0, bk, ws.v);
-      // S = scale * Q K^T  [bq, bk]
-      tile_gemm(tiles.path, tiles.op, bq, bk, D, blk.scale, Q, {K.ptr, K.ld, true}, false, ws.s,
-                bk);
-      if (cover == Mask::Cover::some)  // the tile's key positions and documents, once
-        ws.tile_mask.prepare(qlo, qhi, bk, [&](int64_t j) { return k_pos(j0 + j); });
+    // Rows [r0, r0 + nr) of the query tile against keys [j0, j0 + bk) (K and V from key j0):
+    // S = scale Q K^T, the mask where cover is some, the online softmax, O += P V.
+    auto key_block = [&](int64_t r0, int64_t nr, int64_t j0, int64_t bk, Mask::Cover cover,
+                         const GemmOperand& K, const GemmOperand& V) {
+      float *m = ws.m + r0, *l = ws.l + r0, *o = ws.o + r0 * Dv;
+      tile_gemm(tiles.path, tiles.op, nr, bk, D, blk.scale, tiles.from_row(Q, r0),
+                {K.ptr, K.ld, true}, false, ws.s, bk);
+      if (cover == Mask::Cover::some)  // the keys' positions and documents, once
+        ws.tile_mask.prepare(std::min(q_pos(i0 + r0), q_pos(i0 + r0 + nr - 1)),
+                             std::max(q_pos(i0 + r0), q_pos(i0 + r0 + nr - 1)), bk,
+                             [&](int64_t j) { return k_pos(j0 + j); });
       bool any_row = false;
-      for (int64_t i = 0; i < bq; ++i) {
+      for (int64_t i = 0; i < nr; ++i) {
         float* srow = ws.s + i * bk;
         // The softcap row by row, while the row is in L1 for the max and exp that follow.
         if (blk.softcap > 0.f) softcap_row(srow, bk, blk.softcap);
-        if (cover == Mask::Cover::some) (void)ws.tile_mask.hide(q_pos(i0 + i), srow, -INFINITY);
-        const float m_new = std::max(ws.m[i], row_max(srow, bk));
+        if (cover == Mask::Cover::some)
+          (void)ws.tile_mask.hide(q_pos(i0 + r0 + i), srow, -INFINITY);
+        const float m_new = std::max(m[i], row_max(srow, bk));
         if (m_new == -INFINITY) {  // row sees nothing yet: P row = 0, state unchanged
           // ... unless its scores are NaN (NaN or inf in its q or in a key it sees: hidden
           // keys are -inf by now), which max() passes over: the row's state becomes NaN,
           // so that its out and lse are NaN, not those of a row that sees nothing.
-          if (has_nan(srow, bk)) ws.m[i] = ws.l[i] = NAN;
+          if (has_nan(srow, bk)) m[i] = l[i] = NAN;
           std::fill(srow, srow + bk, 0.f);
           tiles.split_row(ws, i, bk);
           continue;
         }
         any_row = true;
         const float row_sum = exp_shift_sum(srow, bk, m_new);
-        if (m_new != ws.m[i]) {  // rescale the running state to the new max
-          const float alpha = ws.m[i] == -INFINITY ? 0.f : std::exp(ws.m[i] - m_new);
-          ws.l[i] *= alpha;
-          scale_row(ws.o + i * Dv, Dv, alpha);
-          ws.m[i] = m_new;
+        if (m_new != m[i]) {  // rescale the running state to the new max
+          const float alpha = m[i] == -INFINITY ? 0.f : std::exp(m[i] - m_new);
+          l[i] *= alpha;
+          scale_row(o + i * Dv, Dv, alpha);
+          m[i] = m_new;
         }
-        ws.l[i] += row_sum;
+        l[i] += row_sum;
         tiles.split_row(ws, i, bk);
       }
-      if (!any_row) continue;
-      // O += P V  [bq, Dv]. A partially masked tile whose V holds NaN or inf takes the slow
+      if (!any_row) return;
+      // O += P V  [nr, Dv]. A partially masked block whose V holds NaN or inf takes the slow
       // path (add_pv_sanitised). Finding out costs a copy of O, not a scan of V: a NaN or
       // inf in column c of V makes column c of O NaN or inf in every row (P is finite, and
-      // 0 * NaN, 0 * inf are NaN), so O's row 0 after the GEMM tells, and O is restored
+      // 0 * NaN, 0 * inf are NaN), so O's first row after the GEMM tells, and O is restored
       // from the copy. The copy reads O, hot in cache; scanning V, which the GEMM has not
       // read yet, cost 2% of a causal forward (S = 4096, one thread; perf). Fully visible
-      // tiles need neither: every row sees every key there, so a NaN is theirs.
+      // blocks need neither: every row sees every key there, so a NaN is theirs.
       const bool partial = cover == Mask::Cover::some;
-      if (partial) std::copy(ws.o, ws.o + bq * Dv, ws.o_saved);
-      tiles.add_pv(ws, bq, bk, V, Dv);
-      if (partial && !all_finite(ws.o, Dv)) {
-        std::copy(ws.o_saved, ws.o_saved + bq * Dv, ws.o);
-        add_pv_sanitised(tiles, ws, bq, bk, V, Dv);
+      if (partial) std::copy(o, o + nr * Dv, ws.o_saved);
+      tiles.add_pv(ws, nr, bk, V, Dv, o);
+      if (partial && !all_finite(o, Dv)) {
+        std::copy(ws.o_saved, ws.o_saved + nr * Dv, o);
+        add_pv_sanitised(tiles, ws, nr, bk, V, Dv, o);
+      }
+    };
+    // The keys of [j0, j0 + bk) that queries at [lo, hi] may see: the tile less the keys at its
+    // ends that none of them sees (the far side of a causal diagonal or window edge), left out
+    // in steps of kTrimStep so that the GEMM shapes stay few. Returns the kept [a, e) of [0, bk).
+    auto trim = [&](int64_t lo, int64_t hi, int64_t j0, int64_t bk) {
+      const auto hidden = [&](int64_t j) {
+        return mask.cover(lo, hi, k_pos(j), k_pos(j)) == Mask::Cover::none;
+      };
+      int64_t a = 0, e = bk;
+      while (e - a >= kTrimStep && all_hidden(hidden, j0 + e - kTrimStep, j0 + e))
+        e -= kTrimStep;
+      while (e - a >= kTrimStep && all_hidden(hidden, j0 + a, j0 + a + kTrimStep))
+        a += kTrimStep;
+      return std::pair{a, e};
+    };
+    auto cover_of = [&](int64_t lo, int64_t hi, int64_t j0, int64_t bk) {
+      return mask.cover(lo, hi, std::min(k_pos(j0), k_pos(j0 + bk - 1)),
+                        std::max(k_pos(j0), k_pos(j0 + bk - 1)));
+    };
+
+    for (int64_t tile0 = 0; tile0 < k_len; tile0 += kTileK) {
+      int64_t j0 = tile0, bk = std::min(kTileK, k_len - tile0);
+      Mask::Cover cover = cover_of(qlo, qhi, j0, bk);
+      if (cover == Mask::Cover::none) continue;  // skipped, not computed and masked
+      if (cover == Mask::Cover::some) {
+        // On a causal mask the 256-row query tiles see half of a 512-key tile.
+        const auto [a, e] = trim(qlo, qhi, j0, bk);
+        if (a == e) continue;
+        j0 += a, bk = e - a;
+        cover = cover_of(qlo, qhi, j0, bk);
+      }
+      if (progress.fn != nullptr && omp_get_thread_num() == 0) progress();
+      const GemmOperand K =
+          tiles.rows(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + j0, bk, ws.k);
+      const GemmOperand V =
+          tiles.rows(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + j0, bk, ws.v);
+      if (cover == Mask::Cover::all || bq <= kSubRows) {
+        key_block(0, bq, j0, bk, cover, K, V);
+        continue;
+      }
+      // A partially visible tile in blocks of kSubRows query rows, each on the keys it may see:
+      // on a causal diagonal the rows see a staircase, and a whole-tile GEMM would compute the
+      // 256 x 256 triangle above it (3% of a causal forward at S = 8192).
+      for (int64_t r0 = 0; r0 < bq; r0 += kSubRows) {
+        const int64_t nr = std::min(kSubRows, bq - r0);
+        const int64_t lo = std::min(q_pos(i0 + r0), q_pos(i0 + r0 + nr - 1));
+        const int64_t hi = std::max(q_pos(i0 + r0), q_pos(i0 + r0 + nr - 1));
+        const auto [a, e] = trim(lo, hi, j0, bk);
+        if (a == e) continue;
+        const Mask::Cover c = cover_of(lo, hi, j0 + a, e - a);
+        if (c != Mask::Cover::none)
+          key_block(r0, nr, j0 + a, e - a, c, tiles.from_row(K, a), tiles.from_row(V, a));
       }
     }
 

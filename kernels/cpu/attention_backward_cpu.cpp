@@ -69,6 +69,8 @@ struct Workspace {
   // the same of the raw bf16 rows on the bf16 GEMM path. Sized when first needed.
   std::vector<float> qs, dos, ks;
   std::vector<uint16_t> qs16, dos16, ks16;
+  // On the bf16 GEMM path, the raw rows of the Q, dO, K and V tiles copied dense (set_raw).
+  std::vector<uint16_t> q16, dout16, k16, v16;
   TileMask tile_mask;       // the mask on a partially masked tile pair
   std::vector<char> empty;  // [kBwdTileQ] rows whose P is all zero in this tile pair
   // The bf16 GEMM path: P and dS of the pair as two bf16 terms each (vec_math.h's split_bf16),
@@ -215,12 +217,20 @@ struct Problem {
       tile_gemm(GemmPath::onednn, DType::bf16, M, N, K, alpha, {term, bk, trans}, {B.raw, B.raw_ld},
                 true, C, ldc);
   }
-  // A tile's rows in the bf16 tensor itself, on the bf16 GEMM path.
+  // A tile's rows of the bf16 tensor, on the bf16 GEMM path: in place for one head, else copied
+  // dense into buf (oneDNN runs bf16 tiles strided by the other heads on its jit gemm, several
+  // times slower than its brgemm; see the forward's Tiles::rows).
   void set_raw(Tile& t, const void* base, int64_t b, int64_t seq, int64_t heads, int64_t h,
-               int64_t dim, int64_t row0) const {
+               int64_t dim, int64_t row0, int64_t rows, std::vector<uint16_t>& buf) const {
     if (!bf16_gemms) return;
-    t.raw = static_cast<const uint16_t*>(base) + ((b * seq + row0) * heads + h) * dim;
-    t.raw_ld = heads * dim;
+    const uint16_t* src = static_cast<const uint16_t*>(base) + ((b * seq + row0) * heads + h) * dim;
+    t.raw = src;
+    t.raw_ld = dim;
+    if (heads == 1) return;
+    buf.resize(size_t(rows * dim));
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(src + r * heads * dim, src + r * heads * dim + dim, buf.data() + r * dim);
+    t.raw = buf.data();
   }
 
   // An fp32 tile in place with rows strided by the other heads, copied dense into buf on the
@@ -254,7 +264,7 @@ struct Problem {
     t.ptr = tile_f32(blk.q, blk.dtype, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it), q_rows(it),
                      ws.q, &t.ld);
     dense(t, q_rows(it), D, ws.q);
-    set_raw(t, blk.q, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it));
+    set_raw(t, blk.q, b, blk.seq_q, Hq, h, D, blk.q_begin + q_row0(it), q_rows(it), ws.q16);
     return t;
   }
   Tile dout_tile(Workspace& ws, int64_t b, int64_t h, int64_t it) const {
@@ -262,7 +272,7 @@ struct Problem {
     t.ptr = tile_f32(dout, dout_dtype, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it),
                      q_rows(it), ws.dout, &t.ld);
     dense(t, q_rows(it), Dv, ws.dout);
-    set_raw(t, dout, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it));
+    set_raw(t, dout, b, blk.seq_q, Hq, h, Dv, blk.q_begin + q_row0(it), q_rows(it), ws.dout16);
     return t;
   }
   Tile k_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
@@ -270,7 +280,7 @@ struct Problem {
     t.ptr = tile_f32(blk.k, blk.dtype, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.k, &t.ld);
     dense(t, k_rows(jt), D, ws.k);
-    set_raw(t, blk.k, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt));
+    set_raw(t, blk.k, b, blk.seq_k, Hkv, hk, D, blk.k_begin + k_row0(jt), k_rows(jt), ws.k16);
     return t;
   }
   Tile v_tile(Workspace& ws, int64_t b, int64_t hk, int64_t jt) const {
@@ -278,7 +288,7 @@ struct Problem {
     t.ptr = tile_f32(blk.v, blk.dtype, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt),
                      k_rows(jt), ws.v, &t.ld);
     dense(t, k_rows(jt), Dv, ws.v);
-    set_raw(t, blk.v, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt));
+    set_raw(t, blk.v, b, blk.seq_k, Hkv, hk, Dv, blk.k_begin + k_row0(jt), k_rows(jt), ws.v16);
     return t;
   }
 

@@ -88,6 +88,7 @@ struct Made {
 struct ThreadGemms {
   std::map<Shape, Made> made;
   std::vector<char> scratch;
+  std::vector<float> sum;  // alpha A B of a bf16 tile added to C (see onednn_gemm)
   std::unique_ptr<dnnl::stream> stream;
 };
 
@@ -102,6 +103,19 @@ constexpr size_t kMaxPrimitives = 256;  // per thread; past it the cache starts 
 void onednn_gemm(DType dtype, int64_t M, int64_t N, int64_t K, float alpha, const GemmOperand& A,
                  const GemmOperand& B, bool accumulate, float* C, int64_t ldc) {
   const Dt dt = dtype == DType::bf16 ? Dt::bf16 : Dt::f32;
+  if (dt == Dt::bf16 && accumulate && (alpha != 1.f || A.trans)) {
+    // oneDNN 2.6 runs bf16 tiles that add to C with an output scale (or a linear post-op) or with
+    // A transposed on its jit gemm or reference code, not on brgemm: on AMX-BF16 8x slower than
+    // alpha op(A) B into a buffer and a pass adding it to C (Xeon family 6 model 167, 256x512x128
+    // and 512x256x128).
+    std::vector<float>& tmp = thread_gemms().sum;
+    tmp.resize(size_t(M * N));
+    onednn_gemm(dtype, M, N, K, alpha, A, B, false, tmp.data(), N);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j)
+        C[i * ldc + j] += tmp[size_t(i * N + j)];
+    return;
+  }
   uint32_t alpha_bits;
   std::memcpy(&alpha_bits, &alpha, sizeof alpha);
   const Shape key{int(dt), M, N, K, alpha_bits, A.ld, A.trans, B.ld, B.trans, accumulate, ldc};

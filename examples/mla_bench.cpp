@@ -88,10 +88,8 @@ struct Accuracy {
   CheckStats f64;
   report::Json json() const {
     report::Json j = {{"rel_l2", rel_l2}, {"max_abs", max_abs}};
-    if (f64.checked > 0)
-      j.update({{"f64_checked_elements", f64.checked},
-                {"f64_wrong", f64.wrong},
-                {"f64_max_err", f64.max_err}});
+    if (f64.checked > 0) j["f64_checked_elements"] = f64.checked, j["f64_wrong"] = f64.wrong;
+    if (f64.checked > 0) j["f64_max_err"] = f64.max_err;
     return j;
   }
 };
@@ -156,24 +154,13 @@ class Mla final : public Workload {
   }
 
   void config_json(report::Json& c) const override {
-    c.update({{"context", S_},
-              {"batch", B_},
-              {"new_tokens", Sq_},
-              {"q_pos0", S_ - Sq_},
-              {"mask", "causal"},
-              {"steps", e_.iters},
-              {"heads", cfg_.heads},
-              {"latent", cfg_.latent},
-              {"rope", cfg_.rope},
-              {"qk_nope", cfg_.qk_nope},
-              {"v_head", cfg_.v_head},
-              {"softmax_scale", double(cfg_.scale())},
-              {"weight_seed", kWeightSeed},
-              {"outliers", outliers_},
-              {"outlier_std_factor", double(kOutlierFactor)},
-              {"outlier_channels", channels_},
-              {"calibration", calibration_},
-              {"check_heads_per_rank", kCheckHeads}});
+    c["context"] = S_, c["batch"] = B_, c["new_tokens"] = Sq_, c["q_pos0"] = S_ - Sq_;
+    c["mask"] = "causal", c["steps"] = e_.iters, c["heads"] = cfg_.heads;
+    c["latent"] = cfg_.latent, c["rope"] = cfg_.rope, c["qk_nope"] = cfg_.qk_nope;
+    c["v_head"] = cfg_.v_head, c["softmax_scale"] = double(cfg_.scale());
+    c["weight_seed"] = kWeightSeed, c["outliers"] = outliers_;
+    c["outlier_std_factor"] = double(kOutlierFactor), c["outlier_channels"] = channels_;
+    c["calibration"] = calibration_, c["check_heads_per_rank"] = kCheckHeads;
   }
 
   std::vector<std::vector<report::Column>> tables(const Bench&) const override {
@@ -253,12 +240,12 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
         LatentTransform::pca, dc,
         gaussian_tensor({calibration_, dc}, kCalibration, 1, dc, 0, 0, &stds));
     const MlaWeights w_hadamard = fold_transform(w, hadamard), w_pca = fold_transform(w, pca);
-    const MlaTransform* transforms[] = {nullptr, &hadamard, &pca};  // by LatentTransform
+    const MlaTransform* transforms[] = {nullptr, &hadamard, &pca};
     const MlaWeights* weights[] = {&w, &w_hadamard, &w_pca};
 
     for (size_t i = 0; i < std::size(kMethods); ++i) {
       const Method& m = kMethods[i];
-      const MlaTransform* t = transforms[int(m.transform)];
+      const MlaTransform* t = transforms[int(m.transform)];  // by LatentTransform
       const MlaWeights& wm = *weights[int(m.transform)];
       MlaCacheShard shard;
       std::vector<double> f64;
@@ -306,27 +293,20 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
         row.result = {"mla", m.label, "", S_, G_, tm.step_mean_ms};
         std::string& name = row.result.strategy;
         std::replace(name.begin(), name.end(), ' ', '-');  // "tpla-none-split-rope"
-        row.result.wrong = held != cache;
-        cache_wrong_ += held != cache;
+        row.result.wrong = held != cache, cache_wrong_ += held != cache;
         row.take_bytes(tm);
         row.cells = method_cells(m, cache, cache_ratio(m));
         row.cells.insert(row.cells.end(),
                          {fixed(sent_kb, 3), fixed(model_kb, 3), fixed(tm.step_mean_ms, 2),
                           fixed(tm.p50_ms, 2), kernel_cell(tm)});
-        row.extra = {{"method", m.label},
-                     {"parallel", mla_parallel_name(m.parallel)},
-                     {"transform", latent_transform_name(m.transform)},
-                     {"rope", m.rope()},
-                     {"scale_logits_by_g", m.opt.scale_logits_by_g},
-                     {"cache_bytes_per_rank_model", cache},
-                     {"cache_bytes_per_rank_held", held},
-                     {"cache_ratio_vs_head_split", cache_ratio(m)},
-                     {"sent_kb_per_rank_per_step", sent_kb},
-                     {"model_kb_per_rank_per_step", model_kb},
-                     {"byte_mismatches", 0},  // every kind's steps: set below
-                     {"mean_ms", tm.step_mean_ms},
-                     {"p50_ms", tm.p50_ms},
-                     {"step_ms", tm.step_ms}};
+        report::Json& x = row.extra;
+        x["method"] = m.label, x["parallel"] = mla_parallel_name(m.parallel);
+        x["transform"] = latent_transform_name(m.transform), x["rope"] = m.rope();
+        x["scale_logits_by_g"] = m.opt.scale_logits_by_g, x["cache_bytes_per_rank_model"] = cache;
+        x["cache_bytes_per_rank_held"] = held, x["cache_ratio_vs_head_split"] = cache_ratio(m);
+        x["sent_kb_per_rank_per_step"] = sent_kb, x["model_kb_per_rank_per_step"] = model_kb;
+        x["byte_mismatches"] = 0;  // every kind's steps: set below
+        x["mean_ms"] = tm.step_mean_ms, x["p50_ms"] = tm.p50_ms, x["step_ms"] = tm.step_ms;
         if (tm.kernel_gbs >= 0) row.extra["kernel_gbs"] = tm.kernel_gbs;
       } else {
         row.byte_mismatches += tm.byte_mismatches;
@@ -340,8 +320,7 @@ std::vector<Row> Mla::run(Bench& b, const Case&) {
     Row& row = rows[i];
     row.result.wrong += int64_t(exact_wrong[i]);
     exact_wrong_ += exact_wrong[i];
-    row.extra["byte_mismatches"] = row.byte_mismatches;
-    row.extra["exact_wrong"] = exact_wrong[i];
+    row.extra["byte_mismatches"] = row.byte_mismatches, row.extra["exact_wrong"] = exact_wrong[i];
     row.cells.push_back(wrong_cell(row));
   }
   return rows;
@@ -373,10 +352,9 @@ void Mla::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
              " (target <= 0.33 at G = 4: (", dc, "/4+", dr, ")/", dc + dr, " = ", fixed(target, 3),
              ")", verdict(G_ == 4, cache_met, " (this run is not G = 4)"), "; split rope ",
              fixed(split, 3)));
-  report::Json& jcache = top["cache_target"] = {{"tpla_over_head_split", ratio},
-                                                {"split_rope_over_head_split", split},
-                                                {"target_at_4_ranks", target},
-                                                {"this_run_is_target", G_ == 4}};
+  report::Json& jcache = top["cache_target"];
+  jcache["tpla_over_head_split"] = ratio, jcache["split_rope_over_head_split"] = split;
+  jcache["target_at_4_ranks"] = target, jcache["this_run_is_target"] = G_ == 4;
   if (G_ == 4) jcache["met"] = cache_met;
   report::Json& jout = top["outlier_target"] = report::Json::object();
   for (int k : {1, 2}) {  // the outlier kinds' target: hadamard < none
@@ -388,8 +366,8 @@ void Mla::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
                sci(err(kPca, k), 1)));
     const std::string p = k == 1 ? "" : "aligned_";
     jout[p + "tpla_none_rel_err"] = err(kNone, k);
-    jout[p + "tpla_hadamard_rel_err"] = err(kHadamard, k),
-             jout[p + "tpla_pca_rel_err"] = err(kPca, k);
+    jout[p + "tpla_hadamard_rel_err"] = err(kHadamard, k);
+    jout[p + "tpla_pca_rel_err"] = err(kPca, k);
     if (k == 1) jout["target"] = "hadamard < none";
     if (G_ > 1) jout[p + "met"] = met;
   }
@@ -398,10 +376,8 @@ void Mla::finish(Bench& b, const std::vector<Row>& rows, report::Json& top) {
   b.note(cat("tpla none / head_split latency ", fixed(latency, 2), " (mean), bytes/step ",
              hs.sent_mb_per_rank > 0 ? fixed(none.sent_mb_per_rank / hs.sent_mb_per_rank, 2)
                                      : "n/a (nothing sent)"));
-  top.update({{"tpla_none_over_head_split_latency", latency},
-              {"cache_mismatches", cache_wrong_},
-              {"exact_wrong", exact_wrong_},
-              {"f64_wrong", f64_wrong_}});
+  top["tpla_none_over_head_split_latency"] = latency, top["cache_mismatches"] = cache_wrong_;
+  top["exact_wrong"] = exact_wrong_, top["f64_wrong"] = f64_wrong_;
   std::vector<std::pair<std::string, double>> kernels;  // the latent decode of each method
   for (size_t i = 0; i < std::size(kMethods); ++i)
     kernels.push_back({kMethods[i].label, rows[i].extra.value("kernel_gbs", -1.0)});
@@ -424,10 +400,10 @@ void Mla::plan(Plan& p) const {
     p.row(cells);
   }
   p.line("per rank: its heads under head_split, its latent and (split) RoPE columns under tpla");
-  p.table({{"rank", "", 6},
-           {"heads", "(head_split)", 12},
-           {"latent", "(tpla)", 11},
+  // clang-format off
+  p.table({{"rank", "", 6}, {"heads", "(head_split)", 12}, {"latent", "(tpla)", 11},
            {"rope", "(split)", 11}});
+  // clang-format on
   const Tensor no_c_kv = Tensor::empty({1, 0, cfg_.latent}, DType::f32);
   const Tensor no_k_pe = Tensor::empty({1, 0, cfg_.rope}, DType::f32);
   p.for_shown(G_, [&](int g) {

@@ -75,14 +75,8 @@ class Prefill final : public Workload {
     require_option(seq_end_ >= seq_begin_, "--seq-end", seq_end_, ">= --seq-begin");
     require_option(seq_factor_ >= 2 || seq_end_ == seq_begin_, "--seq-factor", seq_factor_,
                    ">= 2 (or --seq-end equal to --seq-begin)");
-    bool known = true;
-    try {
-      strategy_ = parse_strategy(strategy_name_);
-    } catch (const Error&) {
-      known = false;
-    }
-    require_option(known, "--strategy", strategy_name_,
-                   "ring, ulysses or hybrid (tree and allgather decode: dattn-decode-bench)");
+    require_one_of("--strategy", strategy_name_, {"ring", "ulysses", "hybrid"});
+    strategy_ = parse_strategy(strategy_name_);  // (tree and allgather: dattn-decode-bench)
     // The Ulysses degree, over the cp ranks of one tp slice (its heads).
     const int64_t G = shape_.kv_heads / T;
     const char* kv_what = T > 1 ? "--kv-heads / --tp" : "--kv-heads";
@@ -90,15 +84,13 @@ class Prefill final : public Workload {
     if (ulysses_arg_ == "node") {
       require_option(!e.launch.dry_run || e.launch.world_size == 0, "--ulysses-degree", "node",
                      "a number with --world-size (a plan has no nodes to count)");
-      // tp is the fastest rank index: a node of N ranks holds N / tp ranks of each cp group.
-      ulysses_ = std::max(1, node_ranks() / T);
+      ulysses_ = std::max(1, node_ranks() / T);  // tp is the fastest rank index
     } else {
       const auto u = parse_int_list(ulysses_arg_);
       require_option(u && u->size() == 1 && (*u)[0] >= 1 && (*u)[0] <= INT32_MAX,
                      "--ulysses-degree", ulysses_arg_, ">= 1, or node");
       ulysses_ = int((*u)[0]);
     }
-    require_option(ulysses_ >= 1, "--ulysses-degree", ulysses_, ">= 1");
     if (strategy_ == Strategy::ring) {
       require_option(!u_given || ulysses_ == 1, "--ulysses-degree", ulysses_,
                      "1 with --strategy ring (it is the degree of --strategy hybrid)");
@@ -118,10 +110,8 @@ class Prefill final : public Workload {
         cat("a multiple of the Ulysses degree (", ulysses_, ") with --strategy ", strategy_name_));
 
     problem_.resolve(vm, seq_begin_, seq_end_, e.comparing());
-    if (e.launch.device == "cuda") {
-      require_option(shape_.dtype != DType::f32, "--dtype", shape_.dtype_name,
-                     "bf16 or fp16 with --device cuda (the CUDA kernel's storage types)");
-    }
+    require_option(e.launch.device != "cuda" || shape_.dtype != DType::f32, "--dtype",
+                   shape_.dtype_name, "bf16 or fp16 with --device cuda (the CUDA kernel's types)");
     for (int64_t s = seq_begin_; s <= seq_end_; s *= seq_factor_) {
       seqs_.push_back(s);
       if (seq_factor_ < 2 || s > std::numeric_limits<int64_t>::max() / seq_factor_) break;
@@ -231,25 +221,23 @@ class Prefill final : public Workload {
   }
 
   void finish(Bench& b, const std::vector<Row>&, report::Json& top) override {
-    const int P = b.rt().cp_size();
     const int64_t S = seqs_.back();
-    report::Json lb;
+    const bool masked = problem_.mask() != "none";
     std::string line =
         cat("load balance (max/mean per-rank FLOPs, model, seq ", S, ", ", problem_.mask_desc(S),
             ", ", strategy_name(strategy_), " U ", ulysses_, "):");
-    const bool masked = problem_.mask() != "none";
     if (masked) {
-      lb = {{"seq", S}, {"mask", problem_.mask_desc(S)}};
+      report::Json& lb = top["load_balance"] = {{"seq", S}, {"mask", problem_.mask_desc(S)}};
       std::vector<std::string> kinds = {"contiguous", "zigzag", "striped"};
       if (problem_.documents() > 0) kinds.push_back("varlen");
       kinds.push_back("balanced");
       for (const std::string& kind : kinds) {
-        const double v =
-            flop_spread(problem_.make(heads(), S, P, kind, problem_.mask(), 1)).imbalance;
-        line += cat(" ", kind, kind == "striped" ? "(1) " : " ", fixed(v, 2));
+        const Problem p =
+            problem_.make(shape_.spec(Mask::none()), S, b.rt().cp_size(), kind, problem_.mask(), 1);
+        const double v = flop_spread(p).imbalance;
         lb[kind] = v;
+        line += cat(" ", kind, kind == "striped" ? "(1) " : " ", fixed(v, 2));
       }
-      top["load_balance"] = lb;
     }
     if (!b.root()) return;
     std::printf(
@@ -303,11 +291,9 @@ class Prefill final : public Workload {
   }
 
  private:
-  // One tp rank's heads.
-  AttnSpec heads() const { return shape_.spec(Mask::none()); }
   // With --sinks 1, sinks of -1 to 2 in the spec (the same on every tp rank).
   Problem problem(int64_t S, int P) const {
-    Problem p = problem_.make(heads(), S, P);
+    Problem p = problem_.make(shape_.spec(Mask::none()), S, P);
     p.spec.softcap = float(softcap_);
     if (sinks_) {
       std::vector<float> s(static_cast<size_t>(p.spec.heads_q));
@@ -373,16 +359,15 @@ class Prefill final : public Workload {
                        [&](int64_t qp, int64_t kp) { return spec.mask.visible(qp, kp); }),
         1);
     if (spec.sinks)  // each row's normaliser gains exp(sink): lse' = log(e^lse + e^sink)
-      for (int64_t b = 0; b < shape_.batch; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t j = 0; j < n; ++j) {
-            double& l = ref.lse[size_t((b * H + h) * n + j)];
-            const double s = (*spec.sinks)[size_t(h)], m = std::max(l, s);
-            const double lse = m + std::log(std::exp(l - m) + std::exp(s - m));
-            for (int64_t d = 0; d < Dv; ++d)
-              ref.out[size_t(((b * n + j) * H + h) * Dv + d)] *= std::exp(l - lse);
-            l = lse;
-          }
+      for (int64_t i = 0; i < shape_.batch * H * n; ++i) {  // i = (b * H + h) * n + j
+        const int64_t b = i / (H * n), h = i / n % H, j = i % n;
+        double& l = ref.lse[size_t(i)];
+        const double s = (*spec.sinks)[size_t(h)], m = std::max(l, s);
+        const double lse = m + std::log(std::exp(l - m) + std::exp(s - m));
+        for (int64_t d = 0; d < Dv; ++d)
+          ref.out[size_t(((b * n + j) * H + h) * Dv + d)] *= std::exp(l - lse);
+        l = lse;
+      }
     const auto [tol_out, tol_lse] = tolerance(gpu);
     DecodeCheck c;
     c.compare(res, ref.out.data(), ref.lse.data(), H, 0, tol_out, tol_lse, &rows);

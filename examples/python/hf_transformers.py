@@ -29,7 +29,6 @@ torch or transformers is missing, 1 on a mismatch; an error on any rank aborts t
 
 import argparse
 import sys
-import traceback
 
 try:
     import torch
@@ -40,6 +39,7 @@ except ImportError as e:  # before dattn: MPI is not started yet, so a plain exi
     sys.exit(77)
 
 import dattn
+from example_main import run, verdict
 
 TOLERANCE = 1e-5  # relative, float32 dattn over the ranks vs float32 eager in one process
 LAYOUT = "zigzag"
@@ -135,7 +135,7 @@ def main():
 
     rank, P = dattn.rank(), dattn.world_size()
     loss, grads, model = run_distributed(args)
-    failed = 0.0
+    ok = True
     if rank == 0:
         ref_loss, ref_grads = run_reference(args, model.state_dict())
         rel_loss = abs(loss - ref_loss) / abs(ref_loss)
@@ -153,19 +153,8 @@ def main():
         print(f"  gradients of {len(rel_grads)} parameters: worst max|diff| / max|ref| "
               f"{rel_grads[worst_name]:.2e} ({worst_name})")
         print(f"  tolerance {TOLERANCE:.0e}: {'OK' if ok else 'FAILED'}")
-        failed = 0.0 if ok else 1.0
-    # Every rank exits with rank 0's verdict.
-    return 1 if dattn.allreduce_sum(failed) > 0 else 0
+    return verdict(ok)  # every rank exits with rank 0's verdict
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:  # --help, or a bad option (the same on every rank)
-        raise
-    except BaseException:  # noqa: B902 - a failure on any rank ends the whole job
-        sys.stderr.write(f"hf_transformers: FAILED on rank {dattn.rank()}:\n"
-                         f"{traceback.format_exc()}")
-        sys.stderr.flush()
-        dattn.abort(1)
-    sys.exit(code)
+    run(main, "hf_transformers")

@@ -15,12 +15,11 @@ losses differ by more than TOLERANCE (relative).
 """
 
 import argparse
-import sys
-import traceback
 
 import torch
 
 import dattn
+from example_main import compare_losses, run, verdict
 
 TOLERANCE = 1e-5  # relative, fp32 distributed run vs float64 single process
 
@@ -118,34 +117,15 @@ def main():
 
     rank, P = dattn.rank(), dattn.world_size()
     losses = train_distributed(args)
-    failed = 0.0
+    ok = True
     if rank == 0:
         ref = train_reference(args)
-        worst = 0.0
         print(f"train_tiny: S={args.seq} B={args.batch} E={args.embed} heads={args.heads}/"
               f"{args.kv_heads} head_dim={args.head_dim}, causal attention over {P} ranks "
               f"(zigzag, ring), SGD lr={args.lr}")
-        print(f"{'step':>4s}  {'loss (dattn fp32)':>18s}  {'loss (torch fp64)':>18s}  "
-              f"{'|diff| / loss':>13s}")
-        for step, (a, b) in enumerate(zip(losses, ref), 1):
-            rel = abs(a - b) / abs(b)
-            worst = max(worst, rel)
-            print(f"{step:4d}  {a:18.9f}  {b:18.9f}  {rel:13.2e}")
-        ok = worst <= TOLERANCE and losses[-1] < losses[0]
-        print(f"max relative difference {worst:.2e} (tolerance {TOLERANCE:.0e}); loss "
-              f"{losses[0]:.6f} -> {losses[-1]:.6f}: {'OK' if ok else 'FAILED'}")
-        failed = 0.0 if ok else 1.0
-    # Every rank exits with rank 0's verdict.
-    return 1 if dattn.allreduce_sum(failed) > 0 else 0
+        ok = compare_losses(losses, ref, TOLERANCE)
+    return verdict(ok)  # every rank exits with rank 0's verdict
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:  # --help, or a bad option (the same on every rank)
-        raise
-    except BaseException:  # noqa: B902 - a failure on any rank ends the whole job
-        sys.stderr.write(f"train_tiny: FAILED on rank {dattn.rank()}:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        dattn.abort(1)
-    sys.exit(code)
+    run(main, "train_tiny")

@@ -28,7 +28,6 @@ Exits 1 on a mismatch; an error on any rank aborts the job.
 
 import argparse
 import sys
-import traceback
 
 try:
     import torch
@@ -38,6 +37,7 @@ except ImportError as e:  # before dattn: MPI is not started yet, so a plain exi
     sys.exit(77)
 
 import dattn
+from example_main import compare_losses, run, verdict
 
 TOLERANCE = 1e-5  # relative, per step: float32 over the ranks vs float64 in one process
 
@@ -209,7 +209,7 @@ def main():
     reference = make_model(args, torch_attention).double()
     reference.load_state_dict(model.state_dict())  # the same initial weights, in float64
     losses = train_distributed(args, model)
-    failed = 0.0
+    ok = True
     if rank == 0:
         ref = train_reference(args, reference)
         n_params = sum(t.numel() for t in model.parameters())
@@ -217,28 +217,9 @@ def main():
               f"S={args.seq} B={args.batch} E={args.embed} heads={args.heads}/{args.kv_heads} "
               f"head_dim={args.head_dim} vocab={args.vocab}, sequence zigzag-sharded over {P} "
               f"ranks (dattn ring, float32) vs one process (torch, float64), AdamW lr={args.lr}")
-        print(f"{'step':>4s}  {'loss (dattn fp32)':>18s}  {'loss (torch fp64)':>18s}  "
-              f"{'|diff| / loss':>13s}")
-        worst = 0.0
-        for step, (a, b) in enumerate(zip(losses, ref), 1):
-            rel = abs(a - b) / abs(b)
-            worst = max(worst, rel)
-            print(f"{step:4d}  {a:18.9f}  {b:18.9f}  {rel:13.2e}")
-        ok = worst <= TOLERANCE and losses[-1] < losses[0]
-        print(f"max relative difference {worst:.2e} (tolerance {TOLERANCE:.0e}); loss "
-              f"{losses[0]:.6f} -> {losses[-1]:.6f}: {'OK' if ok else 'FAILED'}")
-        failed = 0.0 if ok else 1.0
-    # Every rank exits with rank 0's verdict.
-    return 1 if dattn.allreduce_sum(failed) > 0 else 0
+        ok = compare_losses(losses, ref, TOLERANCE)
+    return verdict(ok)  # every rank exits with rank 0's verdict
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:  # --help, or a bad option (the same on every rank)
-        raise
-    except BaseException:  # noqa: B902 - a failure on any rank ends the whole job
-        sys.stderr.write(f"train_zigzag: FAILED on rank {dattn.rank()}:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        dattn.abort(1)
-    sys.exit(code)
+    run(main, "train_zigzag")

@@ -171,6 +171,9 @@ struct Tiles {
 // taken this many at a time (see the kernel).
 constexpr int64_t kTrimStep = 64;
 constexpr int64_t kSubRows = 64;
+// The most memory the forward takes to pack K and V once per call (see attention_forward): 8192
+// keys of 8 kv heads at D = 128 in fp32 are 64 MiB.
+constexpr size_t kMaxPackBytes = size_t(256) << 20;
 
 // Whether hidden(j) for every j in [a, b).
 template <class Hidden>
@@ -262,12 +265,13 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   // tile meets every query tile. The same values at the same leading dimension, so the same bits.
   // Measured on one Xeon family 6 model 167 core, S = 8192 H = 8 causal bf16 (AMX tiles): the
   // per-pair copies were 12% of the forward (perf).
+  // Not past kMaxPackBytes (long sequences on one rank): there the pairs copy, as without it.
   FirstError error;
-  const bool pack = q_tiles > 1 && tiles.copies(blk.dtype, Hkv);
   const int64_t k_panel = k_len * D, v_panel = k_len * Dv;  // elements per (batch, kv head)
+  const size_t bytes = size_t(B * Hkv * (k_panel + v_panel)) * tiles.elem();
+  const bool pack = q_tiles > 1 && tiles.copies(blk.dtype, Hkv) && bytes <= kMaxPackBytes;
   std::unique_ptr<char[], void (*)(void*)> packed{nullptr, std::free};
   if (pack) {
-    const size_t bytes = size_t(B * Hkv * (k_panel + v_panel)) * tiles.elem();
     packed.reset(static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
     if (!packed)
       DATTN_THROW_KIND(ErrorKind::out_of_memory, "out of host memory packing K and V (",

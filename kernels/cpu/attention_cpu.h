@@ -23,8 +23,9 @@ struct AttentionBlock : BlockOfWork {
 // q tensor's rows; only the block's rows change)
 // (start from clear_partial). Key tiles that the mask hides entirely are skipped, never
 // computed; rows that see no key leave the partial unchanged (an empty partial stays out = 0,
-// lse = -inf). Workspace is O(tile) per thread; S_q x S_k is never materialised.
-// Parallel (OpenMP) over batch x head x query tile; BLAS runs single-threaded inside.
+// lse = -inf). Workspace is O(tile) per thread, plus one copy of K and V (dense per head, up to
+// 256 MiB) where the tiles would otherwise copy them per tile pair; S_q x S_k is never
+// materialised. Parallel (OpenMP) over batch x head x query tile; BLAS runs single-threaded inside.
 void attention_forward(const AttentionBlock& blk, float* out, float* lse);
 
 // One line for report headers: the BLAS, its kernel core, the softmax ISA, the tiles and the decode

@@ -9,7 +9,9 @@
 // Measured on one core, 256x512x128 and 256x128x512 tiles: AMD EPYC Zen 4, OpenBLAS sgemm 95-98
 // GFLOP/s, oneDNN fp32 110-113, oneDNN bf16 213-216; Intel Xeon family 6 model 207 (Emerald
 // Rapids, AVX512-BF16, AMX not exposed to the VM), oneDNN fp32 191-195, bf16 88-94: there
-// VDPBF16PS does no more multiply-adds a cycle than two fp32 FMA ports, and bf16 tiles lose.
+// VDPBF16PS does no more multiply-adds a cycle than two fp32 FMA ports, and bf16 tiles lose;
+// Intel Xeon family 6 model 167 (AMX-BF16 exposed), OpenBLAS 162-170, oneDNN fp32 172-200, bf16
+// 680-1360 on dense operands (see tile_gemm.cpp for the shapes that leave brgemm).
 #pragma once
 
 #include <cstdint>
@@ -30,9 +32,9 @@ bool gemm_path_runs(GemmPath p, DType dtype);
 // of 6 runs each, measured once: a few ms); 0 where either does not run.
 double bf16_tile_speedup();
 // The kernels' bf16 path runs three bf16 tile GEMMs (Q K^T, P_hi V, P_lo V) where the widened
-// one runs two fp32 ones: bf16 tiles pay where bf16_tile_speedup() >= kBf16TilesPay. The two
-// CPUs measured sit far either side (Zen 4 1.9, Emerald Rapids without AMX 0.46), so noise
-// does not flip the choice.
+// one runs two fp32 ones: bf16 tiles pay where bf16_tile_speedup() >= kBf16TilesPay. The
+// CPUs measured sit far either side (Zen 4 1.9, AMX 3.3-3.7, Emerald Rapids without AMX 0.46), so
+// noise does not flip the choice.
 inline constexpr double kBf16TilesPay = 1.5;
 bool bf16_tiles_pay();
 

@@ -514,6 +514,51 @@ TEST(KernelPositions, RowSubRanges) {
   }
 }
 
+// Several query tiles over a sub-range of the keys, with more than one kv head: the forward
+// packs K and V once for the call where its tiles would copy or widen them per tile pair
+// (attention_cpu.cpp). The same block run one query tile at a time (one tile: no pack) gives the
+// same bits, and both match the reference.
+TEST(KernelPositions, PackedKeysGiveTheSameBitsAsOneTileAtATime) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " causal=" << causal);
+      KernelCase c{"pack", 2, 600, 620, 4, 2, 64, 48, causal, dt};
+      Problem p = make_problem(c, 21);
+      const int64_t qb = 5, ql = 590, kb = 7, kl = 560, tile = cpu::kTileQ;
+      cpu::AttentionBlock blk = make_block(p);
+      blk.q_begin = qb, blk.q_len = ql, blk.k_begin = kb, blk.k_len = kl;
+      blk.q_pos0 = 40, blk.k_pos0 = 0;  // causal: the first rows see part of the keys
+      PartialBuf whole(p), tiles(p);
+      cpu::attention_forward(blk, whole.out.data(), whole.lse.data());
+      for (int64_t i0 = 0; i0 < ql; i0 += tile) {
+        cpu::AttentionBlock one = blk;
+        one.q_begin = qb + i0;
+        one.q_len = std::min(tile, ql - i0);
+        one.q_pos0 = blk.q_pos0 + i0;
+        cpu::attention_forward(one, tiles.out.data(), tiles.lse.data());
+      }
+      EXPECT_TRUE(same_bits(whole.out, tiles.out));
+      EXPECT_TRUE(same_bits(whole.lse, tiles.lse));
+
+      auto ref =
+          test::naive_reference(p.q.seq_slice(qb, ql), p.k.seq_slice(kb, kl), p.v.seq_slice(kb, kl),
+                                p.spec, test::positions(40, ql), test::positions(0, kl));
+      std::vector<float> out_blk(size_t(c.B * ql * c.Hq * c.Dv)), lse_blk(size_t(c.B * c.Hq * ql));
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t i = 0; i < ql; ++i)
+          for (int64_t h = 0; h < c.Hq; ++h) {
+            lse_blk[size_t((b * c.Hq + h) * ql + i)] =
+                whole.lse[size_t((b * c.Hq + h) * c.Sq + qb + i)];
+            for (int64_t d = 0; d < c.Dv; ++d)
+              out_blk[size_t(((b * ql + i) * c.Hq + h) * c.Dv + d)] =
+                  whole.out[size_t(((b * c.Sq + qb + i) * c.Hq + h) * c.Dv + d)];
+          }
+      EXPECT_TRUE(matches_reference(out_blk.data(), lse_blk.data(), c.B, ql, c.Hq, c.Dv, ref,
+                                    tolerance_for(dt)));
+    }
+  }
+}
+
 // q_len / k_len < 0 mean "to the end"; zero-length blocks (q_len = 0, or k_begin = seq_k with
 // k_len = -1) change nothing.
 TEST(KernelPositions, ToTheEndAndZeroLength) {

@@ -23,8 +23,9 @@ void scale_row(float* x, int64_t n, float c);
 // 1 - t^2. About 2e-7 absolute in tanh.
 void softcap_row(float* x, int64_t n, float cap, float* t = nullptr);
 // x[i] = hi[i] + lo[i] in bf16 bits: hi[i] is x[i] rounded to bf16 (to nearest even), lo[i] the
-// rest rounded, so hi + lo is within 2^-17 |x[i]| (2^-126 below the normal range). x finite or
-// quiet NaN (NaN stays NaN).
+// rest rounded, so hi + lo is within 2^-17 |x[i]| (2^-126 below the normal range: a denormal x
+// or rest counts as zero, as AVX512-BF16's conversion takes it). x finite or quiet NaN (NaN stays
+// NaN). Every ISA gives the same bits.
 void split_bf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo);
 // Which implementation runs here: vec_isa_name(vec_math_best_isa()).
 const char* vec_math_isa();
@@ -33,8 +34,8 @@ const char* vec_math_isa();
 // tests compare every path the CPU can run.
 float row_max(VecIsa isa, const float* x, int64_t n);
 float exp_shift_sum(VecIsa isa, float* x, int64_t n, float m);
-void split_bf16(VecIsa isa, const float* x, int64_t n, uint16_t* hi,
-                uint16_t* lo);  // AVX2: portable
+// avx512: AVX512-BF16's conversions where the CPU has them, else (and on AVX2) portable.
+void split_bf16(VecIsa isa, const float* x, int64_t n, uint16_t* hi, uint16_t* lo);
 void softcap_row(VecIsa isa, float* x, int64_t n, float cap, float* t = nullptr);
 
 }  // namespace dattn::cpu

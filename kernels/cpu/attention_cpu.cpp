@@ -264,8 +264,8 @@ void attention_forward(const AttentionBlock& blk, float* out, float* lse) {
   // once here where rows() would copy or widen them for every (query tile, key tile) pair: a key
   // tile meets every query tile. The same values at the same leading dimension, so the same bits.
   // Measured on one Xeon family 6 model 167 core, S = 8192 H = 8 causal bf16 (AMX tiles): the
-  // per-pair copies were 12% of the forward (perf).
-  // Not past kMaxPackBytes (long sequences on one rank): there the pairs copy, as without it.
+  // per-pair copies take 12% of the forward (perf).
+  // Not past kMaxPackBytes (long sequences on one rank): there each tile pair copies its K and V.
   FirstError error;
   const int64_t k_panel = k_len * D, v_panel = k_len * Dv;  // elements per (batch, kv head)
   const size_t bytes = size_t(B * Hkv * (k_panel + v_panel)) * tiles.elem();

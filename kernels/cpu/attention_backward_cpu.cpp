@@ -228,8 +228,7 @@ struct Problem {
     t.raw_ld = dim;
     if (heads == 1) return;
     buf.resize(size_t(rows * dim));
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy(src + r * heads * dim, src + r * heads * dim + dim, buf.data() + r * dim);
+    copy_dense(src, heads * dim, rows, dim, buf.data());
     t.raw = buf.data();
   }
 
@@ -238,8 +237,7 @@ struct Problem {
   // Tiles::rows).
   void dense(Tile& t, int64_t rows, int64_t dim, float* buf) const {
     if (path != GemmPath::onednn || t.ld == dim) return;
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy(t.ptr + r * t.ld, t.ptr + r * t.ld + dim, buf + r * dim);
+    copy_dense(t.ptr, t.ld, rows, dim, buf);
     t.ptr = buf;
     t.ld = dim;
   }

@@ -14,6 +14,7 @@
 // 680-1360 on dense operands (see tile_gemm.cpp for the shapes that leave brgemm).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -60,6 +61,15 @@ struct GemmOperand {
 // rethrows after the region.
 void tile_gemm(GemmPath p, DType dtype, int64_t M, int64_t N, int64_t K, float alpha,
                const GemmOperand& A, const GemmOperand& B, bool accumulate, float* C, int64_t ldc);
+
+// rows x cols elements from src (leading dimension ld) into dst, dense (leading dimension cols):
+// oneDNN's brgemm kernels take only dense operands (tile_gemm.cpp), and a head's rows in a bshd
+// tensor are strided by the other heads.
+template <class T>
+void copy_dense(const T* src, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy(src + r * ld, src + r * ld + cols, dst + r * cols);
+}
 
 // "oneDNN 2.6.3 brg:avx512_core_bf16" for the header lines: the implementation dtype's tiles run
 // on, or "OpenBLAS sgemm".
